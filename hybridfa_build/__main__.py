@@ -1,0 +1,87 @@
+"""Command line: ``python -m hybridfa_build wheel|install|pq|export|sdist``."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from hybridfa_build import factory, patchqueue
+
+
+def _wheels(args: argparse.Namespace) -> list[Path]:
+    pins = factory.load_pins()
+    tags = sorted(pins.wheels) if args.all_tags else [args.tag or factory.running_tag()]
+    try:
+        here = factory.running_tag()
+    except factory.BuildError:
+        here = None
+    built = []
+    for tag in tags:
+        materialize = None
+        if not args.no_materialize and tag == here:
+            materialize = factory.ROOT / "lmcache"
+        wheel = factory.build_wheel(tag, Path(args.out), args.base_wheel, materialize)
+        print(f"built {wheel}")
+        built.append(wheel)
+    return built
+
+
+def _install(args: argparse.Namespace) -> int:
+    args.all_tags = False
+    (wheel,) = _wheels(args)
+    extra = [a for a in args.pip_args if a != "--"]
+    pip = [sys.executable, "-m", "pip", "install"]
+    rc = subprocess.call([*pip, "--force-reinstall", "--no-deps", str(wheel)])
+    if rc == 0 and "--no-deps" not in extra:
+        rc = subprocess.call([*pip, *extra, str(wheel)])
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybridfa_build")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("wheel", "build dist/lmcache-<version>+hybridfa.<rev>-<tag>.whl"),
+        ("install", "build the wheel for this interpreter and pip-install it"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--tag", help="CPython tag to build for, e.g. cp312 (default: this interpreter)")
+        p.add_argument("--all-tags", action="store_true", help="build every pinned tag")
+        p.add_argument(
+            "--base-wheel", type=Path,
+            help="local pristine lmcache 0.5.3 wheel (or a folder of them): offline build",
+        )
+        p.add_argument("--out", default=str(factory.ROOT / "dist"), help="output folder")
+        p.add_argument("--no-materialize", action="store_true",
+                       help="do not refresh the top-level lmcache/ tree")
+        if name == "install":
+            p.add_argument("pip_args", nargs=argparse.REMAINDER,
+                           help="extra pip arguments after --, e.g. -- --no-deps")
+    p = sub.add_parser("pq", help="make a git patch-queue checkout: pristine + one commit per patch")
+    p.add_argument("dir", nargs="?", default=str(factory.ROOT / "build" / "pq"))
+    p = sub.add_parser("export", help="write the patch-queue commits back to patches/")
+    p.add_argument("dir", nargs="?", default=str(factory.ROOT / "build" / "pq"))
+    sub.add_parser("sdist", help="fetch and verify the pristine sdist; print its path")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "wheel":
+            _wheels(args)
+        elif args.command == "install":
+            return _install(args)
+        elif args.command == "pq":
+            print(patchqueue.make_queue(Path(args.dir)))
+        elif args.command == "export":
+            for patch in patchqueue.export_queue(Path(args.dir)):
+                print(f"wrote {patch}")
+        elif args.command == "sdist":
+            print(factory.fetch_sdist(factory.load_pins()))
+    except factory.BuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""Wheel factory: pinned pristine lmcache 0.5.3 wheel + patches/series -> patched wheel.
+
+Fetch (pip, cached), verify sha256 against pins.json, unpack, apply the whole series or
+nothing, add the marker module, repack with a fresh RECORD and a PEP 440 local version.
+Output is reproducible: fixed timestamps, sorted entries, fixed compression.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridfa_build import REVISION
+
+ROOT = Path(__file__).resolve().parent.parent
+PINS_FILE = ROOT / "pins.json"
+PATCHES_DIR = ROOT / "patches"
+MARKER_SOURCE = Path(__file__).resolve().parent / "marker.py"
+MARKER_PATH = "lmcache/_hybridfa.py"
+# 1980-01-01 is the earliest time a zip entry can carry; SOURCE_DATE_EPOCH overrides it.
+ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+REGULAR_FILE_ATTR = 0o100644 << 16
+
+
+class BuildError(Exception):
+    """A build input is wrong; the message names the cause."""
+
+
+@dataclass(frozen=True)
+class Pins:
+    package: str
+    version: str
+    wheels: dict[str, dict[str, str]]
+    sdist: dict[str, str]
+
+    @property
+    def local_version(self) -> str:
+        return f"{self.version}+hybridfa.{REVISION}"
+
+
+def load_pins(path: Path = PINS_FILE) -> Pins:
+    data = json.loads(path.read_text())
+    return Pins(data["package"], data["version"], data["wheels"], data["sdist"])
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_series(patches_dir: Path = PATCHES_DIR) -> list[Path]:
+    series = patches_dir / "series"
+    if not series.is_file():
+        raise BuildError(f"no series file at {series}")
+    patches = []
+    for line in series.read_text().splitlines():
+        name = line.split("#", 1)[0].strip()
+        if not name:
+            continue
+        patch = patches_dir / name
+        if not patch.is_file():
+            raise BuildError(f"series names {name}, but {patch} does not exist")
+        patches.append(patch)
+    return patches
+
+
+def series_digest(patches_dir: Path = PATCHES_DIR) -> str:
+    """sha256 over the series file and every patch it lists, in order."""
+    digest = hashlib.sha256((patches_dir / "series").read_bytes())
+    for patch in read_series(patches_dir):
+        digest.update(patch.name.encode() + b"\0" + patch.read_bytes())
+    return digest.hexdigest()
+
+
+def running_tag() -> str:
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        raise BuildError(
+            f"lmcache 0.5.3 ships wheels for Linux x86_64 only; this is "
+            f"{sys.platform} {platform.machine()}"
+        )
+    return f"cp{sys.version_info.major}{sys.version_info.minor}"
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "lmcache-hybridfa"
+    return Path(os.environ.get("LMCACHE_HYBRIDFA_CACHE", default))
+
+
+def _pip_env() -> dict[str, str]:
+    # Inside a PEP 517 build, pip's isolation variables would hide pip itself.
+    env = dict(os.environ)
+    for name in ("PYTHONPATH", "PYTHONNOUSERSITE", "PIP_NO_INDEX"):
+        env.pop(name, None)
+    return env
+
+
+def _pip_download(args: list[str], dest: Path) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest)]
+    proc = subprocess.run(
+        cmd + args, capture_output=True, text=True, env=_pip_env(), check=False
+    )
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise BuildError(
+            "could not download the pristine base with pip (no network or no index?) "
+            "and no local file was given; pass --base-wheel PATH (or set "
+            f"LMCACHE_HYBRIDFA_BASE_WHEEL). pip said:\n{tail}"
+        )
+
+
+def verify(path: Path, expected_sha256: str, what: str) -> Path:
+    actual = sha256_file(path)
+    if actual != expected_sha256:
+        raise BuildError(
+            f"sha256 mismatch for {what} {path}: expected {expected_sha256}, got "
+            f"{actual}. Refusing to build on an unverified base."
+        )
+    return path
+
+
+def check_tag(pins: Pins, tag: str) -> dict[str, str]:
+    if tag not in pins.wheels:
+        raise BuildError(
+            f"unknown Python tag {tag!r}: lmcache {pins.version} is pinned for "
+            f"{', '.join(sorted(pins.wheels))}"
+        )
+    return pins.wheels[tag]
+
+
+def fetch_base_wheel(pins: Pins, tag: str, base_wheel: Path | None = None) -> Path:
+    """Return a verified pristine wheel for ``tag``: local, cached, or downloaded."""
+    pin = check_tag(pins, tag)
+    if base_wheel is None and os.environ.get("LMCACHE_HYBRIDFA_BASE_WHEEL"):
+        base_wheel = Path(os.environ["LMCACHE_HYBRIDFA_BASE_WHEEL"])
+    if base_wheel is not None:
+        if base_wheel.is_dir():
+            base_wheel = base_wheel / pin["filename"]
+        if not base_wheel.is_file():
+            raise BuildError(f"local base wheel {base_wheel} does not exist")
+        return verify(base_wheel, pin["sha256"], f"pristine {tag} wheel")
+    cached = cache_dir() / pin["filename"]
+    if cached.is_file():
+        return verify(cached, pin["sha256"], f"cached pristine {tag} wheel")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+        version = f"{tag[2]}.{tag[3:]}"
+        _pip_download(
+            [
+                "--only-binary=:all:",
+                "--python-version", version,
+                "--implementation", "cp",
+                "--abi", tag,
+                "--platform", "manylinux_2_28_x86_64",
+                f"{pins.package}=={pins.version}",
+            ],
+            Path(tmp),
+        )
+        got = Path(tmp) / pin["filename"]
+        if not got.is_file():
+            raise BuildError(f"pip did not produce {pin['filename']} for {tag}")
+        verify(got, pin["sha256"], f"downloaded pristine {tag} wheel")
+        os.replace(got, cached)
+    return cached
+
+
+def fetch_sdist(pins: Pins, local: Path | None = None) -> Path:
+    """Return the verified pristine sdist (for LMCache's own test suite)."""
+    if local is not None:
+        return verify(local, pins.sdist["sha256"], "pristine sdist")
+    cached = cache_dir() / pins.sdist["filename"]
+    if cached.is_file():
+        return verify(cached, pins.sdist["sha256"], "cached pristine sdist")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+        _pip_download(
+            ["--no-binary", ":all:", "--no-build-isolation",
+             f"{pins.package}=={pins.version}"],
+            Path(tmp),
+        )
+        got = Path(tmp) / pins.sdist["filename"]
+        if not got.is_file():
+            raise BuildError(f"pip did not produce {pins.sdist['filename']}")
+        verify(got, pins.sdist["sha256"], "downloaded pristine sdist")
+        os.replace(got, cached)
+    return cached
+
+
+def apply_series(tree: Path, patches: list[Path]) -> None:
+    """Apply every patch to ``tree`` in order; raise on the first that does not apply."""
+    if shutil.which("git") is None:
+        raise BuildError("git is needed to apply the patch series and was not found")
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
+    for patch in patches:
+        proc = subprocess.run(
+            ["git", "apply", "-p1", "--whitespace=nowarn", str(patch)],
+            cwd=tree, capture_output=True, text=True, env=env, check=False,
+        )
+        if proc.returncode != 0:
+            raise BuildError(
+                f"patch {patch.name} does not apply cleanly to pristine lmcache; "
+                f"nothing was written. git apply said:\n{proc.stderr.strip()}"
+            )
+
+
+def _record_hash(data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+    return f"sha256={digest.decode()}"
+
+
+def _date_time() -> tuple[int, int, int, int, int, int]:
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if not epoch:
+        return ZIP_EPOCH
+    import time
+
+    stamp = time.gmtime(max(int(epoch), 315532800))
+    return stamp[:6]
+
+
+def marker_source(pins: Pins, patches: list[Path], digest: str) -> bytes:
+    text = MARKER_SOURCE.read_text()
+    for key, value in {
+        "BASE_VERSION": pins.version,
+        "REVISION": str(REVISION),
+        "VERSION": pins.local_version,
+        "SERIES_SHA256": digest,
+        "PATCHES": ",".join(p.name for p in patches),
+    }.items():
+        text = text.replace(f"@{key}@", value)
+    return text.encode()
+
+
+def wheel_name(pins: Pins, base_filename: str) -> str:
+    rest = base_filename.split("-", 2)[2]  # python tag, abi tag, platform tag(s)
+    return f"{pins.package}-{pins.local_version}-{rest}"
+
+
+def _patched_entries(base: Path, tree: Path, pins: Pins, marker: bytes) -> dict:
+    """Name -> (bytes, external_attr) for the new wheel, dist-info renamed."""
+    old_info = f"{pins.package}-{pins.version}.dist-info/"
+    new_info = f"{pins.package}-{pins.local_version}.dist-info/"
+    entries: dict[str, tuple[bytes, int]] = {}
+    with zipfile.ZipFile(base) as zf:
+        for info in zf.infolist():
+            if info.is_dir() or info.filename == old_info + "RECORD":
+                continue
+            data = (tree / info.filename).read_bytes()
+            name = info.filename
+            if name.startswith(old_info):
+                name = new_info + name[len(old_info):]
+                if name == new_info + "METADATA":
+                    data = data.replace(
+                        f"\nVersion: {pins.version}\n".encode(),
+                        f"\nVersion: {pins.local_version}\n".encode(), 1,
+                    )
+            entries[name] = (data, info.external_attr or REGULAR_FILE_ATTR)
+    # Files a patch adds to the tree (not in the base wheel).
+    for path in sorted(p for p in (tree / "lmcache").rglob("*") if p.is_file()):
+        name = path.relative_to(tree).as_posix()
+        if name not in entries and "__pycache__" not in name:
+            entries[name] = (path.read_bytes(), REGULAR_FILE_ATTR)
+    entries[MARKER_PATH] = (marker, REGULAR_FILE_ATTR)
+    return entries
+
+
+def _write_wheel(target: Path, entries: dict, record_name: str) -> None:
+    date_time = _date_time()
+    names = sorted(n for n in entries if ".dist-info/" not in n)
+    names += sorted(n for n in entries if ".dist-info/" in n)
+    record_lines = [
+        f"{n},{_record_hash(entries[n][0])},{len(entries[n][0])}" for n in names
+    ]
+    record_lines.append(f"{record_name},,")
+    entries = dict(entries)
+    entries[record_name] = (("\n".join(record_lines) + "\n").encode(), REGULAR_FILE_ATTR)
+    names.append(record_name)
+    with zipfile.ZipFile(target, "w") as zf:
+        for name in names:
+            data, attr = entries[name]
+            info = zipfile.ZipInfo(name, date_time=date_time)
+            info.external_attr = attr
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.create_system = 3
+            zf.writestr(info, data, compresslevel=6)
+
+
+def _replace_dir(src: Path, dest: Path) -> None:
+    """Swap ``dest`` for ``src``'s contents with no half-written state left behind."""
+    staging = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+    if staging.exists():
+        shutil.rmtree(staging)
+    shutil.copytree(src, staging)
+    old = dest.with_name(f"{dest.name}.old-tmp-{os.getpid()}")
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(staging, dest)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def build_wheel(
+    tag: str,
+    out_dir: Path,
+    base_wheel: Path | None = None,
+    materialize: Path | None = None,
+    patches_dir: Path = PATCHES_DIR,
+) -> Path:
+    """Build the patched wheel for ``tag`` into ``out_dir`` and return its path.
+
+    ``materialize``: if given, that folder is replaced by the patched ``lmcache`` tree.
+    Nothing is written to ``out_dir`` or ``materialize`` unless the whole build succeeds.
+    """
+    pins = load_pins()
+    check_tag(pins, tag)
+    patches = read_series(patches_dir)
+    digest = series_digest(patches_dir)
+    base = fetch_base_wheel(pins, tag, base_wheel)
+    marker = marker_source(pins, patches, digest)
+    with tempfile.TemporaryDirectory(prefix="hybridfa-build-") as tmp:
+        tree = Path(tmp) / "tree"
+        with zipfile.ZipFile(base) as zf:
+            zf.extractall(tree)
+        apply_series(tree, patches)
+        entries = _patched_entries(base, tree, pins, marker)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        name = wheel_name(pins, base.name)
+        partial = Path(tmp) / name
+        _write_wheel(partial, entries, f"{pins.package}-{pins.local_version}.dist-info/RECORD")
+        if materialize is not None:
+            (tree / MARKER_PATH).write_bytes(marker)
+            _replace_dir(tree / "lmcache", materialize)
+        target = out_dir / name
+        shutil.copyfile(partial, out_dir / f".{name}.partial")
+        os.replace(out_dir / f".{name}.partial", target)
+    return target

@@ -1,0 +1,68 @@
+"""A gbp-pq style patch queue: pristine tree as one commit, one commit per patch.
+
+``make_queue`` builds it from the verified pristine wheel and ``git am``s the series;
+edit, commit (one logical change per commit, DEP-3 fields in the message body), then
+``export_queue`` regenerates patches/ and patches/series with ``git format-patch``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+from hybridfa_build import factory
+
+PRISTINE_TAG = "pristine"
+_GIT_ENV = {
+    "GIT_AUTHOR_NAME": "hybridfa",
+    "GIT_AUTHOR_EMAIL": "hybridfa@localhost",
+    "GIT_COMMITTER_NAME": "hybridfa",
+    "GIT_COMMITTER_EMAIL": "hybridfa@localhost",
+    "GIT_AUTHOR_DATE": "2026-08-05T21:14:00Z",
+    "GIT_COMMITTER_DATE": "2026-08-05T21:14:00Z",
+}
+
+
+def _git(queue: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(
+        ["git", *args], cwd=queue, capture_output=True, text=True,
+        env={**os.environ, **(env or {})}, check=False,
+    )
+    if proc.returncode != 0:
+        raise factory.BuildError(f"git {' '.join(args)} failed:\n{proc.stderr.strip()}")
+    return proc.stdout
+
+
+def make_queue(queue: Path, tag: str | None = None) -> Path:
+    pins = factory.load_pins()
+    base = factory.fetch_base_wheel(pins, tag or factory.running_tag())
+    if queue.exists():
+        shutil.rmtree(queue)
+    queue.mkdir(parents=True)
+    with zipfile.ZipFile(base) as zf:
+        members = [n for n in zf.namelist() if n.startswith("lmcache/") and not n.endswith(".so")]
+        zf.extractall(queue, members)
+    _git(queue, "init", "-q", "-b", "main")
+    _git(queue, "add", "-A")
+    _git(queue, "commit", "-q", "-m", f"pristine {base.name}", env=_GIT_ENV)
+    _git(queue, "tag", PRISTINE_TAG)
+    for patch in factory.read_series():
+        _git(queue, "am", "-q", "--keep-non-patch", str(patch))
+    return queue
+
+
+def export_queue(queue: Path, patches_dir: Path = factory.PATCHES_DIR) -> list[Path]:
+    out = _git(
+        queue, "format-patch", "--zero-commit", "--no-signature", "--full-index",
+        "-o", str(patches_dir), f"{PRISTINE_TAG}..HEAD",
+    )
+    written = [Path(line) for line in out.split()]
+    keep = {p.name for p in written}
+    for old in patches_dir.glob("*.patch"):
+        if old.name not in keep:
+            old.unlink()
+    (patches_dir / "series").write_text("".join(f"{p.name}\n" for p in written))
+    return written
