@@ -1,0 +1,228 @@
+"""Subpaged full-attention blocks are stored and restored whole (patch 0001).
+
+Every check runs through LMCache's real connector registration
+(apply_kv_cache_group_edits + create_engine_group_infos_from_vllm) and the server's real
+LMCacheDrivenTransferModule on the CPU platform, over the exact tensors vLLM 0.26
+registers for a hybrid GDN + FA model with FlashInfer's kernel pages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.kv_cache_interface")
+pytest.importorskip("lmcache.v1.multiprocess.modules.lmcache_driven_transfer")
+
+from hybrid_kv import (  # noqa: E402
+    FA_LAYERS,
+    NUM_LAYERS,
+    HybridKV,
+    build_fa_only_kv,
+    build_hybrid_kv,
+    start_server,
+)
+
+# (tokens_per_block N, kernel page): ratios 3, 5, 9, 17 (544/32) and 25 (1600/64).
+GEOMETRIES = [(48, 16), (80, 16), (288, 32), (544, 32), (1600, 64)]
+GEOMETRY_IDS = [f"r{n // p}-{n}over{p}" for n, p in GEOMETRIES]
+LAYOUTS = ["NHD", "HND"]
+
+# Request A: 2 logical blocks per group, ids from one pool; 0 is vLLM's null block.
+# Engine group order: Mamba groups 0-2, FA group 3.
+STORE_IDS = [[3, 4], [5, 6], [7, 8], [1, 2]]
+RESTORE_IDS = [[9, 10], [2, 1], [4, 3], [11, 6]]
+
+
+def _as_int16(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).view(torch.int16)
+
+
+def _sorted_values(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.sort(torch.cat([_as_int16(p) for p in parts])).values
+
+
+def _chunk_sources(kv: HybridKV, ids: list[list[int]], chunk: int, blocks: int) -> list:
+    """Bytes vLLM holds for chunk ``chunk`` (``blocks`` logical blocks per chunk)."""
+    parts = []
+    for layer in range(NUM_LAYERS):
+        group = 3 if layer in FA_LAYERS else layer % 4
+        for block_id in ids[group][chunk * blocks : (chunk + 1) * blocks]:
+            parts.append(kv.block_bytes(layer, block_id))
+    return parts
+
+
+def _stored_objects(server) -> list[torch.Tensor]:
+    objs = server.ctx.storage_manager.objects
+    return [objs[k].raw_tensor for k in sorted(objs, key=lambda k: k[2])]
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.mark.fix
+@pytest.mark.parametrize(("n", "page"), GEOMETRIES, ids=GEOMETRY_IDS)
+def test_store_keeps_every_kernel_page(n, page, layout, monkeypatch):
+    kv = build_hybrid_kv(n, page, layout)
+    server = start_server(kv, chunk_size=n, monkeypatch=monkeypatch)
+    assert server.store("A", 2 * n, STORE_IDS)
+
+    stored = _stored_objects(server)
+    assert len(stored) == 2
+    for chunk, obj in enumerate(stored):
+        expected = _sorted_values(_chunk_sources(kv, STORE_IDS, chunk, 1))
+        assert obj.numel() == expected.numel() * 2, (
+            f"object holds {obj.numel()} bytes; the chunk's FA + GDN blocks are "
+            f"{expected.numel() * 2} (FA kernel pages per block: {kv.ratio})"
+        )
+        assert torch.equal(_sorted_values([obj]), expected)
+
+
+@pytest.mark.fix
+@pytest.mark.parametrize(("n", "page"), GEOMETRIES, ids=GEOMETRY_IDS)
+def test_round_trip_is_bitwise_and_touches_only_destination_blocks(
+    n, page, layout, monkeypatch
+):
+    kv = build_hybrid_kv(n, page, layout)
+    server = start_server(kv, chunk_size=n, monkeypatch=monkeypatch)
+    assert server.store("A", 2 * n, STORE_IDS)
+    # Layers 0-3 share raw tensor 0 and layers 4-7 raw tensor 1 (vLLM's shared_by).
+    before = {
+        (layer, b): kv.block_bytes(layer, b).clone()
+        for layer in range(NUM_LAYERS)
+        for b in range(kv.num_blocks)
+    }
+
+    assert server.retrieve("A", 2 * n, RESTORE_IDS)
+
+    destinations = set()
+    for layer in range(NUM_LAYERS):
+        group = 3 if layer in FA_LAYERS else layer % 4
+        for src, dst in zip(STORE_IDS[group], RESTORE_IDS[group], strict=True):
+            assert torch.equal(kv.block_bytes(layer, dst), before[(layer, src)]), (
+                f"layer {layer}: block {dst} is not the stored block {src}"
+            )
+            destinations.add((layer // 4, dst))
+    for (layer, b), old in before.items():
+        if (layer // 4, b) not in destinations:
+            assert torch.equal(kv.block_bytes(layer, b), old), (
+                f"raw tensor {layer // 4}: block {b} was not a destination but changed"
+            )
+
+
+@pytest.mark.fix
+@pytest.mark.parametrize(("n", "page"), [(80, 16), (544, 32)], ids=["r5", "r17"])
+def test_chunk_of_two_blocks_round_trips(n, page, layout, monkeypatch):
+    kv = build_hybrid_kv(n, page, layout)
+    server = start_server(kv, chunk_size=2 * n, monkeypatch=monkeypatch)
+    assert server.store("A", 2 * n, STORE_IDS)
+    (obj,) = _stored_objects(server)
+    assert torch.equal(
+        _sorted_values([obj]), _sorted_values(_chunk_sources(kv, STORE_IDS, 0, 2))
+    )
+    sources = {
+        (layer, b): kv.block_bytes(layer, b).clone()
+        for layer in range(NUM_LAYERS)
+        for b in range(kv.num_blocks)
+    }
+    assert server.retrieve("A", 2 * n, RESTORE_IDS)
+    for layer in range(NUM_LAYERS):
+        group = 3 if layer in FA_LAYERS else layer % 4
+        for src, dst in zip(STORE_IDS[group], RESTORE_IDS[group], strict=True):
+            assert torch.equal(kv.block_bytes(layer, dst), sources[(layer, src)])
+
+
+@pytest.mark.fix
+def test_prefetch_layout_after_restart_holds_every_page(layout, monkeypatch):
+    """The layout registered for the L2 -> L1 prefetch sizes objects like the store."""
+    n, page = 544, 32
+    kv = build_hybrid_kv(n, page, layout)
+    server = start_server(kv, chunk_size=n, monkeypatch=monkeypatch)
+    registered = server.ctx.layout_desc_registry.find("hybrid", 1)
+    sizes = [
+        torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+        for s, d in zip(registered.shapes, registered.dtypes, strict=True)
+    ]
+    assert sum(sizes) == NUM_LAYERS * kv.page_bytes
+
+
+@pytest.mark.fix
+def test_staging_copies_cover_each_object_once_without_touching_its_metadata(
+    layout, monkeypatch
+):
+    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as transfer
+
+    n, page = 544, 32
+    kv = build_hybrid_kv(n, page, layout)
+    server = start_server(kv, chunk_size=n, monkeypatch=monkeypatch)
+    copies: list[tuple[int, int, int, int]] = []
+
+    def recorder(original, obj_first: bool):
+        def copy(a, b):
+            obj, staging = (a, b) if obj_first else (b, a)
+            copies.append((obj.data_ptr, obj.meta.address, obj.get_size(), staging.nbytes))
+            return original(a, b)
+
+        return copy
+
+    monkeypatch.setattr(
+        transfer, "lmcache_memcpy_async_d2h", recorder(transfer.lmcache_memcpy_async_d2h, False)
+    )
+    monkeypatch.setattr(
+        transfer, "lmcache_memcpy_async_h2d", recorder(transfer.lmcache_memcpy_async_h2d, True)
+    )
+    assert server.store("A", 2 * n, STORE_IDS)
+    objs = server.ctx.storage_manager.objects
+    metas = {k: (o.meta.address, o.meta.shape, list(o.meta.shapes)) for k, o in objs.items()}
+    assert server.retrieve("A", 2 * n, RESTORE_IDS)
+
+    chunk_bytes = NUM_LAYERS * kv.page_bytes
+    by_ptr = {o.data_ptr: o for o in objs.values()}
+    assert len(copies) == 4  # 2 chunks stored, 2 restored: one whole-object copy each
+    for data_ptr, address, size, staging_bytes in copies:
+        obj = by_ptr[data_ptr]
+        assert data_ptr == obj.raw_tensor.data_ptr() and address == 0
+        assert size == staging_bytes == chunk_bytes
+    assert {k: (o.meta.address, o.meta.shape, list(o.meta.shapes)) for k, o in objs.items()} == (
+        metas
+    )
+
+
+@pytest.mark.fix
+@pytest.mark.parametrize(("n", "page"), [(48, 16), (80, 16)], ids=["r3", "r5"])
+def test_gdn_blocks_survive_the_fa_restore(n, page, layout, monkeypatch):
+    """GDN blocks share raw memory with FA kernel pages: an FA restore must not land in them.
+
+    Pristine writes kernel page L' for FA block L'; with r = 3 or 5, pages 11 and 6 lie
+    inside logical blocks 3/2 and 2/1, which this restore gives to GDN groups.
+    """
+    kv = build_hybrid_kv(n, page, layout)
+    server = start_server(kv, chunk_size=n, monkeypatch=monkeypatch)
+    assert server.store("A", 2 * n, STORE_IDS)
+    sources = {
+        (layer, b): kv.block_bytes(layer, b).clone()
+        for layer in range(NUM_LAYERS)
+        for b in range(kv.num_blocks)
+    }
+    assert server.retrieve("A", 2 * n, RESTORE_IDS)
+    for layer in range(NUM_LAYERS):
+        if layer in FA_LAYERS:
+            continue
+        for src, dst in zip(STORE_IDS[layer % 4], RESTORE_IDS[layer % 4], strict=True):
+            assert torch.equal(kv.block_bytes(layer, dst), sources[(layer, src)])
+
+
+@pytest.mark.parametrize("page", [16, 32])
+def test_non_hybrid_model_round_trips_as_before(page, layout, monkeypatch):
+    """No subpaging (FA only, block == page): the pristine path, on both arms."""
+    kv = build_fa_only_kv(page, layout)
+    server = start_server(kv, chunk_size=2 * page, monkeypatch=monkeypatch)
+    ids = [[1, 2, 3, 4]]
+    assert server.store("A", 4 * page, ids)
+    sources = {(layer, b): kv.block_bytes(layer, b).clone() for layer in range(2) for b in (1, 2, 3, 4)}
+    assert server.retrieve("A", 4 * page, [[9, 5, 11, 7]])
+    for layer in range(2):
+        for src, dst in zip(ids[0], [9, 5, 11, 7], strict=True):
+            assert torch.equal(kv.block_bytes(layer, dst), sources[(layer, src)])
