@@ -22,7 +22,7 @@ def _wheels(args: argparse.Namespace) -> list[Path]:
         materialize = None
         if not args.no_materialize and tag == here:
             materialize = factory.ROOT / "lmcache"
-        wheel = factory.build_wheel(tag, Path(args.out), args.base_wheel, materialize)
+        wheel = factory.build_wheel(tag, Path(args.out), args.base_wheel, materialize, args.patches)
         print(f"built {wheel}")
         built.append(wheel)
     return built
@@ -47,19 +47,36 @@ def main(argv: list[str] | None = None) -> int:
         ("install", "build the wheel for this interpreter and pip-install it"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--tag", help="CPython tag to build for, e.g. cp312 (default: this interpreter)")
+        p.add_argument(
+            "--tag", help="CPython tag to build for, e.g. cp312 (default: this interpreter)"
+        )
         p.add_argument("--all-tags", action="store_true", help="build every pinned tag")
         p.add_argument(
-            "--base-wheel", type=Path,
+            "--base-wheel",
+            type=Path,
             help="local pristine lmcache 0.5.3 wheel (or a folder of them): offline build",
         )
         p.add_argument("--out", default=str(factory.ROOT / "dist"), help="output folder")
-        p.add_argument("--no-materialize", action="store_true",
-                       help="do not refresh the top-level lmcache/ tree")
+        p.add_argument(
+            "--patches",
+            type=Path,
+            default=factory.PATCHES_DIR,
+            help="patch folder holding a series file (default: patches/)",
+        )
+        p.add_argument(
+            "--no-materialize",
+            action="store_true",
+            help="do not refresh the top-level lmcache/ tree",
+        )
         if name == "install":
-            p.add_argument("pip_args", nargs=argparse.REMAINDER,
-                           help="extra pip arguments after --, e.g. -- --no-deps")
-    p = sub.add_parser("pq", help="make a git patch-queue checkout: pristine + one commit per patch")
+            p.add_argument(
+                "pip_args",
+                nargs=argparse.REMAINDER,
+                help="extra pip arguments after --, e.g. -- --no-deps",
+            )
+    p = sub.add_parser(
+        "pq", help="make a git patch-queue checkout: pristine + one commit per patch"
+    )
     p.add_argument("dir", nargs="?", default=str(factory.ROOT / "build" / "pq"))
     p = sub.add_parser("export", help="write the patch-queue commits back to patches/")
     p.add_argument("dir", nargs="?", default=str(factory.ROOT / "build" / "pq"))

@@ -102,16 +102,14 @@ def cache_dir() -> Path:
 def _pip_env() -> dict[str, str]:
     # Inside a PEP 517 build, pip's isolation variables would hide pip itself.
     env = dict(os.environ)
-    for name in ("PYTHONPATH", "PYTHONNOUSERSITE", "PIP_NO_INDEX"):
+    for name in ("PYTHONPATH", "PYTHONNOUSERSITE"):
         env.pop(name, None)
     return env
 
 
 def _pip_download(args: list[str], dest: Path) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest)]
-    proc = subprocess.run(
-        cmd + args, capture_output=True, text=True, env=_pip_env(), check=False
-    )
+    proc = subprocess.run(cmd + args, capture_output=True, text=True, env=_pip_env(), check=False)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
         raise BuildError(
@@ -160,10 +158,14 @@ def fetch_base_wheel(pins: Pins, tag: str, base_wheel: Path | None = None) -> Pa
         _pip_download(
             [
                 "--only-binary=:all:",
-                "--python-version", version,
-                "--implementation", "cp",
-                "--abi", tag,
-                "--platform", "manylinux_2_28_x86_64",
+                "--python-version",
+                version,
+                "--implementation",
+                "cp",
+                "--abi",
+                tag,
+                "--platform",
+                "manylinux_2_28_x86_64",
                 f"{pins.package}=={pins.version}",
             ],
             Path(tmp),
@@ -186,8 +188,7 @@ def fetch_sdist(pins: Pins, local: Path | None = None) -> Path:
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
         _pip_download(
-            ["--no-binary", ":all:", "--no-build-isolation",
-             f"{pins.package}=={pins.version}"],
+            ["--no-binary", ":all:", "--no-build-isolation", f"{pins.package}=={pins.version}"],
             Path(tmp),
         )
         got = Path(tmp) / pins.sdist["filename"]
@@ -206,7 +207,11 @@ def apply_series(tree: Path, patches: list[Path]) -> None:
     for patch in patches:
         proc = subprocess.run(
             ["git", "apply", "-p1", "--whitespace=nowarn", str(patch)],
-            cwd=tree, capture_output=True, text=True, env=env, check=False,
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
         )
         if proc.returncode != 0:
             raise BuildError(
@@ -260,11 +265,12 @@ def _patched_entries(base: Path, tree: Path, pins: Pins, marker: bytes) -> dict:
             data = (tree / info.filename).read_bytes()
             name = info.filename
             if name.startswith(old_info):
-                name = new_info + name[len(old_info):]
+                name = new_info + name[len(old_info) :]
                 if name == new_info + "METADATA":
                     data = data.replace(
                         f"\nVersion: {pins.version}\n".encode(),
-                        f"\nVersion: {pins.local_version}\n".encode(), 1,
+                        f"\nVersion: {pins.local_version}\n".encode(),
+                        1,
                     )
             entries[name] = (data, info.external_attr or REGULAR_FILE_ATTR)
     # Files a patch adds to the tree (not in the base wheel).
@@ -280,9 +286,7 @@ def _write_wheel(target: Path, entries: dict, record_name: str) -> None:
     date_time = _date_time()
     names = sorted(n for n in entries if ".dist-info/" not in n)
     names += sorted(n for n in entries if ".dist-info/" in n)
-    record_lines = [
-        f"{n},{_record_hash(entries[n][0])},{len(entries[n][0])}" for n in names
-    ]
+    record_lines = [f"{n},{_record_hash(entries[n][0])},{len(entries[n][0])}" for n in names]
     record_lines.append(f"{record_name},,")
     entries = dict(entries)
     entries[record_name] = (("\n".join(record_lines) + "\n").encode(), REGULAR_FILE_ATTR)

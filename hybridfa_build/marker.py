@@ -72,7 +72,9 @@ def report() -> tuple[list[str], bool]:
         )
         lines.extend(f"                 {p}" for p in problems[:20])
     else:
-        lines.append(f"  RECORD         ok ({sum(1 for f in dist.files or () if f.hash)} hashed files match)")
+        lines.append(
+            f"  RECORD         ok ({sum(1 for f in dist.files or () if f.hash)} hashed files match)"
+        )
     return lines, intact
 
 

@@ -28,8 +28,12 @@ _GIT_ENV = {
 
 def _git(queue: Path, *args: str, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(
-        ["git", *args], cwd=queue, capture_output=True, text=True,
-        env={**os.environ, **(env or {})}, check=False,
+        ["git", *args],
+        cwd=queue,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        check=False,
     )
     if proc.returncode != 0:
         raise factory.BuildError(f"git {' '.join(args)} failed:\n{proc.stderr.strip()}")
@@ -56,8 +60,14 @@ def make_queue(queue: Path, tag: str | None = None) -> Path:
 
 def export_queue(queue: Path, patches_dir: Path = factory.PATCHES_DIR) -> list[Path]:
     out = _git(
-        queue, "format-patch", "--zero-commit", "--no-signature", "--full-index",
-        "-o", str(patches_dir), f"{PRISTINE_TAG}..HEAD",
+        queue,
+        "format-patch",
+        "--zero-commit",
+        "--no-signature",
+        "--full-index",
+        "-o",
+        str(patches_dir),
+        f"{PRISTINE_TAG}..HEAD",
     )
     written = [Path(line) for line in out.split()]
     keep = {p.name for p in written}

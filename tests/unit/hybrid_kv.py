@@ -89,9 +89,7 @@ def build_hybrid_kv(
         page_size_padded=kv.page_bytes,
         mamba_cache_mode="align",
     )
-    groups = [
-        [layer_name(i) for i in range(NUM_LAYERS) if i % 4 == g] for g in range(4)
-    ]
+    groups = [[layer_name(i) for i in range(NUM_LAYERS) if i % 4 == g] for g in range(4)]
     specs = [mamba_spec, mamba_spec, mamba_spec, fa_spec]
     tensors = [
         KVCacheTensor(
@@ -106,10 +104,7 @@ def build_hybrid_kv(
         kv_cache_groups=[KVCacheGroupSpec(n, s) for n, s in zip(groups, specs, strict=True)],
     )
     gen = torch.Generator().manual_seed(seed)
-    kv.raw = [
-        torch.randint(-128, 128, (t.size,), dtype=torch.int8, generator=gen)
-        for t in tensors
-    ]
+    kv.raw = [torch.randint(-128, 128, (t.size,), dtype=torch.int8, generator=gen) for t in tensors]
     kv.raw_index = {i: i // 4 for i in range(NUM_LAYERS)}
     for i in range(NUM_LAYERS):
         raw = kv.raw_of(i)
@@ -141,9 +136,7 @@ def build_fa_only_kv(page: int, layout: str, num_blocks: int = 12, seed: int = 0
         kv_cache_groups=[KVCacheGroupSpec(names, spec)],
     )
     gen = torch.Generator().manual_seed(seed)
-    kv.raw = [
-        torch.randint(-128, 128, (t.size,), dtype=torch.int8, generator=gen) for t in tensors
-    ]
+    kv.raw = [torch.randint(-128, 128, (t.size,), dtype=torch.int8, generator=gen) for t in tensors]
     kv.raw_index = {0: 0, 1: 1}
     kv.kv_caches = {n: _fa_view(r, kv) for n, r in zip(names, kv.raw, strict=True)}
     return kv

@@ -82,9 +82,7 @@ def test_store_keeps_every_kernel_page(n, page, layout, monkeypatch):
 
 @pytest.mark.fix
 @pytest.mark.parametrize(("n", "page"), GEOMETRIES, ids=GEOMETRY_IDS)
-def test_round_trip_is_bitwise_and_touches_only_destination_blocks(
-    n, page, layout, monkeypatch
-):
+def test_round_trip_is_bitwise_and_touches_only_destination_blocks(n, page, layout, monkeypatch):
     kv = build_hybrid_kv(n, page, layout)
     server = start_server(kv, chunk_size=n, monkeypatch=monkeypatch)
     assert server.store("A", 2 * n, STORE_IDS)
@@ -119,9 +117,7 @@ def test_chunk_of_two_blocks_round_trips(n, page, layout, monkeypatch):
     server = start_server(kv, chunk_size=2 * n, monkeypatch=monkeypatch)
     assert server.store("A", 2 * n, STORE_IDS)
     (obj,) = _stored_objects(server)
-    assert torch.equal(
-        _sorted_values([obj]), _sorted_values(_chunk_sources(kv, STORE_IDS, 0, 2))
-    )
+    assert torch.equal(_sorted_values([obj]), _sorted_values(_chunk_sources(kv, STORE_IDS, 0, 2)))
     sources = {
         (layer, b): kv.block_bytes(layer, b).clone()
         for layer in range(NUM_LAYERS)
@@ -149,9 +145,7 @@ def test_prefetch_layout_after_restart_holds_every_page(layout, monkeypatch):
 
 
 @pytest.mark.fix
-def test_staging_copies_cover_each_object_once_without_touching_its_metadata(
-    layout, monkeypatch
-):
+def test_staging_copies_cover_each_object_once_without_touching_its_metadata(layout, monkeypatch):
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as transfer
 
     n, page = 544, 32
@@ -221,8 +215,66 @@ def test_non_hybrid_model_round_trips_as_before(page, layout, monkeypatch):
     server = start_server(kv, chunk_size=2 * page, monkeypatch=monkeypatch)
     ids = [[1, 2, 3, 4]]
     assert server.store("A", 4 * page, ids)
-    sources = {(layer, b): kv.block_bytes(layer, b).clone() for layer in range(2) for b in (1, 2, 3, 4)}
+    sources = {
+        (layer, b): kv.block_bytes(layer, b).clone() for layer in range(2) for b in (1, 2, 3, 4)
+    }
     assert server.retrieve("A", 4 * page, [[9, 5, 11, 7]])
     for layer in range(2):
         for src, dst in zip(ids[0], [9, 5, 11, 7], strict=True):
             assert torch.equal(kv.block_bytes(layer, dst), sources[(layer, src)])
+
+
+def _replace_fa_views(kv: HybridKV, pages: int, slots: int) -> None:
+    from hybrid_kv import FA_DTYPE, HEAD_SIZE, NUM_KV_HEADS, layer_name
+
+    for layer in FA_LAYERS:
+        elems = kv.raw_of(layer).view(FA_DTYPE)[: pages * slots * NUM_KV_HEADS * 2 * HEAD_SIZE]
+        kv.kv_caches[layer_name(layer)] = elems.view(pages, NUM_KV_HEADS, slots, 2 * HEAD_SIZE)
+
+
+@pytest.mark.fix
+def test_block_that_is_not_whole_kernel_pages_is_refused_naming_the_layer(monkeypatch):
+    kv = build_hybrid_kv(80, 16, "HND")
+    _replace_fa_views(kv, pages=30, slots=32)  # 80-token blocks over 32-slot pages
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.self_attn.*80-token block.*32-slot"):
+        start_server(kv, chunk_size=80, monkeypatch=monkeypatch)
+
+
+@pytest.mark.fix
+def test_page_count_not_a_multiple_of_the_ratio_is_refused(monkeypatch):
+    kv = build_hybrid_kv(80, 16, "HND")
+    _replace_fa_views(kv, pages=59, slots=16)  # 59 pages cannot hold whole 5-page blocks
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.self_attn.*59 kernel pages"):
+        start_server(kv, chunk_size=80, monkeypatch=monkeypatch)
+
+
+def test_chunk_not_a_multiple_of_the_block_is_refused(monkeypatch):
+    """The server refuses a chunk that splits blocks (a client that skipped its own check)."""
+    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as transfer
+
+    kv = build_hybrid_kv(80, 16, "HND")
+    server = start_server(kv, chunk_size=80, monkeypatch=monkeypatch)
+    wrappers = [type(w)(w.to_tensor()) for w in _registered_wrappers(kv)]
+    ctx = type(server.ctx)(chunk_size=120)
+    module = transfer.LMCacheDrivenTransferModule(ctx)
+    from lmcache.utils import EngineType
+
+    with pytest.raises(ValueError, match=r"120 must be a multiple of .*\b80\b"):
+        module.register_kv_cache(
+            2,
+            wrappers,
+            "hybrid",
+            1,
+            EngineType.VLLM,
+            {"kv_layout": "HND"},
+            server.engine_group_infos,
+        )
+
+
+def _registered_wrappers(kv: HybridKV) -> list:
+    from hybrid_kv import _Wrapper
+
+    from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
+
+    edited = apply_kv_cache_group_edits(kv.config, dict(kv.kv_caches), {"kv_layout": "HND"})
+    return [_Wrapper(t) for t in edited.values()]
