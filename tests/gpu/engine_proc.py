@@ -1,0 +1,345 @@
+"""One vLLM engine in a fresh process, for the restart gate (gate.py starts it).
+
+    python tests/gpu/engine_proc.py SPEC.json OUT.json
+
+SPEC (written by gate.engine_spec): role cold|store|restore, model_dir, prompt/warmup/health
+token ids, engine knobs, optional "lmcache" connector settings, and for the store role the
+L2 folder to watch. OUT gets a JSON result with "ok"; on failure "error" holds the
+traceback. The parent sets VLLM_KV_CACHE_LAYOUT, VLLM_ENABLE_V1_MULTIPROCESSING=0 and the
+PYTHONPATH (lmcache under test first).
+
+Worker-side helpers are plain functions handed to ``LLM.collective_rpc``; they receive
+the worker (or its WorkerWrapperBase, which forwards attributes) as ``self`` and import
+what they need inside, so they also pickle by value into TP worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+# ---------------------------------------------------------------------------------------
+# Worker side (run through collective_rpc)
+# ---------------------------------------------------------------------------------------
+
+
+def _runner(self: Any) -> Any:
+    worker = getattr(self, "worker", None) or self
+    return worker.model_runner
+
+
+def _rank(self: Any) -> int:
+    worker = getattr(self, "worker", None) or self
+    r = getattr(worker, "rank", None)
+    if r is None:
+        import torch.distributed as dist
+
+        r = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return int(r)
+
+
+def _rpc_init_weights(self: Any, seed: int, std: float) -> dict[str, Any]:
+    """Re-initialise every parameter from a per-name seed: N(0, std), norms 1 + N(0, std).
+
+    Identical after every restart (CPU generator, seed from the parameter name), and
+    not the degenerate output of load_format="dummy" alone.
+    """
+    import hashlib
+
+    import torch
+
+    model = _runner(self).get_model()
+    fingerprint = hashlib.blake2b(digest_size=16)
+    count = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            s = int.from_bytes(
+                hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little"
+            ) & ((1 << 63) - 1)
+            gen = torch.Generator(device="cpu").manual_seed(s)
+            val = torch.randn(tuple(p.shape), generator=gen, dtype=torch.float32) * std
+            module, _, leaf = name.rpartition(".")
+            if leaf == "weight" and "norm" in module.rpartition(".")[2]:
+                val += 1.0  # RMSNorm / LayerNorm scales (input_layernorm, q_norm, ...)
+            p.data.copy_(val.to(device=p.device, dtype=p.dtype))
+            count += p.numel()
+            fingerprint.update(name.encode())
+            fingerprint.update(p.data.flatten()[:64].float().cpu().numpy().tobytes())
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {"rank": _rank(self), "params": count, "fingerprint": fingerprint.hexdigest()}
+
+
+def _rpc_install_block_hook(self: Any) -> str:
+    """Record each live request's block table after every _update_states.
+
+    The worker drops finished requests from model_runner.requests, so the table of the
+    measured request is snapshotted while it runs, keyed by gate.prompt_key.
+    """
+    mr = _runner(self)
+    if getattr(mr, "_gate_blocks", None) is not None:
+        return type(mr).__name__
+    if not hasattr(mr, "_update_states") or not hasattr(mr, "requests"):
+        raise RuntimeError(
+            f"{type(mr).__module__}.{type(mr).__name__} has no _update_states/requests; "
+            "the gate's block-table hook supports the V1 GPUModelRunner only"
+        )
+    mr._gate_blocks = {}
+    orig = mr._update_states
+
+    def wrapped(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(scheduler_output, *args, **kwargs)
+        for st in mr.requests.values():
+            toks = list(st.prompt_token_ids or [])
+            key = f"{len(toks)}:" + ",".join(str(t) for t in toks[:16])
+            mr._gate_blocks[key] = [list(g) for g in st.block_ids]
+        return out
+
+    mr._update_states = wrapped
+    return type(mr).__name__
+
+
+def _rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
+    """Per-layer, per-logical-block blake2b of the request's KV, layout independent.
+
+    FA (rank-4 FlashInfer tensor, logical shape (B_kernel, H, page, 2*hs), NHD or HND in
+    memory): logical block id L covers kernel pages L*r .. L*r+r-1; its token slots are
+    gathered in token order (N, H, 2*hs) and only the first k slots hashed, k = prompt
+    tokens inside that block. Every prompt block is hashed.
+    GDN ([conv_state, ssm_state] indexed by block id): only full prompt blocks j < P//N,
+    whose slot holds the align-mode checkpoint after (j+1)*N tokens. Null blocks (id 0)
+    are skipped: a restored request holds nulls below its hit.
+    """
+    import hashlib
+
+    import torch
+
+    mr = _runner(self)
+    blocks = getattr(mr, "_gate_blocks", {}).get(key)
+    if blocks is None:
+        raise RuntimeError(f"no block table recorded for {key[:40]}...; hook not installed?")
+    ctx = mr.compilation_config.static_forward_context
+    groups = mr.kv_cache_config.kv_cache_groups
+    res: dict[str, Any] = {"rank": _rank(self), "fa": {}, "gdn": {}, "block_ids": blocks}
+
+    def digest(t: torch.Tensor) -> str:
+        data = t.contiguous().flatten().view(torch.uint8).cpu().numpy().tobytes()
+        return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+    with torch.no_grad():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for gi, group in enumerate(groups):
+            ids = blocks[gi] if gi < len(blocks) else []
+            n = int(group.kv_cache_spec.block_size)
+            res["block_size"] = n
+            for layer in group.layer_names:
+                kv = ctx[layer].kv_cache
+                if isinstance(kv, (list, tuple)):  # GDN / Mamba state list
+                    out: dict[str, str] = {}
+                    for j in range(min(prompt_tokens // n, len(ids))):
+                        b = ids[j]
+                        if b == 0:
+                            continue
+                        out[str(j)] = digest(
+                            torch.cat([s[b].flatten().view(torch.uint8) for s in kv])
+                        )
+                    res["gdn"][layer] = out
+                    continue
+                if kv.dim() != 4:
+                    raise RuntimeError(f"{layer}: unexpected FA cache rank {kv.dim()}")
+                page = int(kv.shape[2])
+                r = n // page
+                res["kernel_page"] = page
+                # Memory order of the logical (B, H, page, 2hs) view; with one kv head
+                # per rank the strides cannot tell, so report nothing.
+                if kv.shape[1] > 1:
+                    res["layout"] = "NHD" if kv.stride(2) > kv.stride(1) else "HND"
+                fa: dict[str, str] = {}
+                nblocks = -(-prompt_tokens // n)
+                for j in range(min(nblocks, len(ids))):
+                    b = ids[j]
+                    if b == 0:
+                        continue
+                    k = min(n, prompt_tokens - j * n)
+                    pages = kv[b * r : (b + 1) * r]  # (r, H, page, 2hs)
+                    tok = pages.permute(0, 2, 1, 3).reshape(r * page, kv.shape[1], kv.shape[3])
+                    fa[str(j)] = digest(tok[:k])
+                res["fa"][layer] = fa
+    return res
+
+
+# ---------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------
+
+
+def _l2_objects(root: str) -> tuple[int, int]:
+    n = total = 0
+    for p in Path(root).rglob("*.data"):
+        if p.is_file():
+            n += 1
+            total += p.stat().st_size
+    return n, total
+
+
+def _wait_l2(root: str, min_objects: int, timeout: float = 90.0) -> dict[str, Any]:
+    """Stores are asynchronous: keep this process (and its GPU KV, which the server reads
+    through CUDA IPC) alive until the chunks reached the server's L2 folder."""
+    t0 = time.monotonic()
+    last = _l2_objects(root)
+    since = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        time.sleep(0.5)
+        cur = _l2_objects(root)
+        if cur != last:
+            last, since = cur, time.monotonic()
+        elif cur[0] >= min_objects and time.monotonic() - since >= 3.0:
+            return {
+                "objects": cur[0],
+                "bytes": cur[1],
+                "waited_s": time.monotonic() - t0,
+                "stable": True,
+            }
+    return {"objects": last[0], "bytes": last[1], "waited_s": timeout, "stable": False}
+
+
+def _output(o: Any) -> dict[str, Any]:
+    c = o.outputs[0]
+    steps = []
+    for d in c.logprobs or []:
+        steps.append({str(t): float(lp.logprob) for t, lp in d.items()})
+    return {
+        "tokens": list(c.token_ids),
+        "logprobs": steps,
+        "num_cached_tokens": getattr(o, "num_cached_tokens", None),
+    }
+
+
+def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
+    t_start = time.monotonic()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kw: dict[str, Any] = {
+        "model": spec["model_dir"],
+        "skip_tokenizer_init": True,
+        "load_format": "dummy",
+        "dtype": "bfloat16",
+        "enforce_eager": True,
+        "seed": 0,
+        "gpu_memory_utilization": spec["gpu_memory_utilization"],
+        "max_model_len": spec["max_model_len"],
+        "max_num_batched_tokens": spec["max_num_batched_tokens"],
+        "enable_prefix_caching": True,
+        "mamba_cache_mode": "align",
+        "attention_config": {"backend": "FLASHINFER"},
+        "tensor_parallel_size": spec["tensor_parallel_size"],
+    }
+    if spec.get("language_model_only"):
+        kw["language_model_only"] = True
+    lmc = spec.get("lmcache")
+    if lmc:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMCacheMPConnector",
+            kv_connector_module_path=lmc["module_path"],
+            kv_role="kv_both",
+            kv_connector_extra_config=lmc["extra_config"],
+        )
+    llm = LLM(**kw)
+    vc = llm.llm_engine.vllm_config
+    result["engine_up_s"] = round(time.monotonic() - t_start, 2)
+    result["cache_block_size"] = vc.cache_config.block_size
+    result["mamba_page_size_padded"] = vc.cache_config.mamba_page_size_padded
+    print(
+        f"[gate] engine up in {result['engine_up_s']}s block_size={vc.cache_config.block_size}",
+        flush=True,
+    )
+
+    inits = llm.collective_rpc(_rpc_init_weights, args=(spec["weight_seed"], spec["weight_std"]))
+    result["weights"] = inits
+    result["weights_fingerprint"] = ",".join(i["fingerprint"] for i in inits)
+    result["model_runner"] = llm.collective_rpc(_rpc_install_block_hook)[0]
+
+    greedy = SamplingParams(
+        max_tokens=spec["new_tokens"],
+        temperature=0.0,
+        logprobs=spec["top_k"],
+        detokenize=False,
+        ignore_eos=True,
+    )
+    short = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True)
+
+    llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], short, use_tqdm=False)
+
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=spec["prompt"])], greedy, use_tqdm=False)
+    result["gen_s"] = time.perf_counter() - t0
+    result.update(_output(outs[0]))
+    print(
+        f"[gate] {spec['role']} gen_s={result['gen_s']:.3f} "
+        f"cached={result['num_cached_tokens']} tokens={result['tokens'][:8]}",
+        flush=True,
+    )
+
+    hashes = llm.collective_rpc(_rpc_kv_hashes, args=(spec["prompt_key"], len(spec["prompt"])))
+    result["kv_hashes"] = hashes
+    h0 = hashes[0]
+    n = h0.get("block_size")
+    page = h0.get("kernel_page")
+    result["geometry"] = {
+        "block_size": n,
+        "kernel_page": page,
+        "ratio": (n // page) if n and page else None,
+    }
+    result["observed_layout"] = h0.get("layout")
+
+    if spec["role"] == "store" and spec.get("l2_dir"):
+        result["l2_wait"] = _wait_l2(spec["l2_dir"], int(spec.get("l2_min_objects", 1)))
+
+    if spec["role"] in ("restore", "cold"):
+        t1 = time.perf_counter()
+        try:
+            h = llm.generate(
+                [TokensPrompt(prompt_token_ids=spec["health"])],
+                SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True),
+                use_tqdm=False,
+            )
+            toks = list(h[0].outputs[0].token_ids)
+            result["health"] = {"ok": len(toks) == 8, "tokens": toks, "s": time.perf_counter() - t1}
+        except Exception as e:  # noqa: BLE001 - reported, judged by the gate
+            result["health"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    result["ok"] = True
+    out_path.write_text(json.dumps(result))
+    print(f"[gate] {spec['role']} done in {time.monotonic() - t_start:.1f}s", flush=True)
+    # Graceful shutdown when it is quick; the watchdog ends a hung teardown.
+    threading.Timer(30.0, os._exit, args=(0,)).start()
+    del llm
+
+
+def main() -> None:
+    spec_path, out_path = Path(sys.argv[1]), Path(sys.argv[2])
+    spec = json.loads(spec_path.read_text())
+    result: dict[str, Any] = {"role": spec["role"], "ok": False}
+    try:
+        run(spec, result, out_path)
+    except BaseException:  # noqa: BLE001 - the gate reads the traceback from OUT
+        result["ok"] = False
+        result["error"] = traceback.format_exc()[-6000:]
+        out_path.write_text(json.dumps(result))
+        print(result["error"], file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1228 @@
+"""GPU restart gate: store -> kill engine and LMCache server -> restart both -> restore.
+
+Library and CLI. Every vLLM engine runs in a FRESH process (``engine_proc.py``), so a
+restore really reads what a previous process stored. One case is:
+
+1. cold     engine without LMCache: greedy tokens, top-k logprobs, wall time, health run;
+2. store    LMCache server 1 + engine: same prompt, KV hashes; waits until the chunks are
+            in the server's L2 folder; engine exits; server 1 is SIGKILLed;
+3. restore  LMCache server 2 on the same L2 folder (L1 empty) + a fresh engine: same
+            prompt, hit tokens, wall time, KV hashes, then a different (health) request.
+
+Pass (per case):
+  (a) KV bytes of every prompt block after restore == the storing engine's
+      (FA: every prompt block, by token slot; GDN: the align-mode checkpoints that
+      both engines hold, which must include the restored one);
+  (b) greedy tokens equal, top-k logprobs equal within 1e-3 (max diff reported);
+  (c) external hit >= min(97 % of the prompt, floor((P-1)/C)*C) -- the second term
+      is the most a hybrid connector can promise: the last prompt token is always
+      recomputed, so an exact multiple of the chunk recomputes its final chunk;
+  (d) restore wall time < cold wall time (same request, same 16 generated tokens);
+  (e) the health request completes.
+
+Usage on the GPU node (see ``--help``)::
+
+    python tests/gpu/gate.py --arm patched --lmcache-dir /tmp/lmc-patched \
+        --out results/ --cases quick --max-seconds 540
+
+Only the standard library is imported here, so the helpers run (and are unit-tested)
+on a CPU machine; vLLM and torch are imported by ``engine_proc.py`` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ENGINE_PROC = HERE / "engine_proc.py"
+
+# FlashInfer on SM90 (H200): get_supported_kernel_block_sizes() -> [16, 32, 64]
+# (vllm/v1/attention/backends/flashinfer.py); larger pages only on SM100 trtllm-gen.
+FLASHINFER_KERNEL_SIZES: tuple[int, ...] = (16, 32, 64)
+DEFAULT_BLOCK_SIZE = 16  # vllm/config/cache.py CacheConfig.DEFAULT_BLOCK_SIZE
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+HIT_FRACTION = 0.97
+LOGPROB_TOL = 1e-3
+TOP_K = 5
+NEW_TOKENS = 16
+WEIGHT_STD = 0.02
+WEIGHT_SEED = 1234
+VOCAB = 8192
+TOKEN_LO, TOKEN_HI = 16, VOCAB - 64  # stay clear of pad/eos and Qwen's mm token ids
+KEY_LEN = 32
+MIN_PROMPT_TOKENS = 4096
+CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"
+SERVER_BOOT = (
+    "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"
+)
+
+
+# ---------------------------------------------------------------------------------------
+# Tiny hybrid models and the geometry vLLM 0.26 derives from them
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Per-layer geometry of a tiny 3:1 GDN:FA hybrid (8 layers: 6 GDN + 2 FA)."""
+
+    name: str
+    family: str  # "olmo_hybrid" | "qwen3_5"
+    num_kv_heads: int
+    head_dim: int
+    num_attention_heads: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    ssm_dtype: str  # dtype of the GDN temporal state in the cache
+    conv_kernel: int = 4
+    hidden_size: int = 512
+    intermediate_size: int = 1024
+    num_hidden_layers: int = 8
+    vocab_size: int = VOCAB
+    kv_dtype: str = "bfloat16"  # model dtype = FA cache dtype = conv state dtype
+
+
+@dataclass(frozen=True)
+class Geometry:
+    block_size: int  # N, vLLM's logical (kv-manager) block size
+    kernel_page: int  # FlashInfer kernel block size
+    ratio: int  # kernel pages per logical block
+
+
+# hidden_size = num_attention_heads * head_dim for OlmoHybrid (it derives head_dim so);
+# Qwen3.5 carries head_dim explicitly. OlmoHybrid's ssm state follows the model dtype
+# (mamba_ssm_cache_dtype "auto"); Qwen3.5 sets mamba_ssm_dtype=float32 in its text config.
+MODELS: dict[str, ModelSpec] = {
+    "olmo-r5": ModelSpec("olmo-r5", "olmo_hybrid", 2, 128, 4, 4, 8, 64, 64, "bfloat16"),
+    "olmo-r17": ModelSpec("olmo-r17", "olmo_hybrid", 2, 128, 4, 4, 16, 128, 128, "bfloat16"),
+    "olmo-r25": ModelSpec("olmo-r25", "olmo_hybrid", 2, 128, 4, 16, 48, 128, 128, "bfloat16"),
+    "qwen35-r5": ModelSpec("qwen35-r5", "qwen3_5", 2, 256, 4, 4, 8, 64, 64, "float32"),
+    "qwen35-r17": ModelSpec("qwen35-r17", "qwen3_5", 2, 256, 4, 16, 16, 128, 128, "float32"),
+    "qwen35-r25": ModelSpec("qwen35-r25", "qwen3_5", 2, 256, 4, 48, 48, 128, 128, "float32"),
+}
+EXPECTED: dict[int, Geometry] = {
+    5: Geometry(80, 16, 5),
+    17: Geometry(544, 32, 17),
+    25: Geometry(1600, 64, 25),
+}
+
+
+def attn_bytes_per_token(m: ModelSpec, tp: int = 1) -> int:
+    """FullAttentionSpec(block_size=1).page_size_bytes: K and V of the rank's kv heads."""
+    return 2 * max(1, m.num_kv_heads // tp) * m.head_dim * DTYPE_BYTES[m.kv_dtype]
+
+
+def mamba_page_bytes(m: ModelSpec, tp: int = 1) -> int:
+    """MambaSpec page of one GDN layer (conv state + temporal state), unpadded.
+
+    gated_delta_net_state_shape: conv (conv_dim/tp, kernel-1), ssm (nv/tp, hv, hk).
+    """
+    conv_dim = (
+        2 * m.linear_num_key_heads * m.linear_key_head_dim
+        + m.linear_num_value_heads * m.linear_value_head_dim
+    )
+    conv = (conv_dim // tp) * (m.conv_kernel - 1) * DTYPE_BYTES[m.kv_dtype]
+    ssm = (
+        (m.linear_num_value_heads // tp)
+        * m.linear_value_head_dim
+        * m.linear_key_head_dim
+        * DTYPE_BYTES[m.ssm_dtype]
+    )
+    return conv + ssm
+
+
+def select_kernel_page(block_size: int, sizes: Sequence[int] = FLASHINFER_KERNEL_SIZES) -> int:
+    """select_common_block_size for one backend that advertises only int sizes."""
+    if block_size in sizes:
+        return block_size
+    for s in sorted(sizes, reverse=True):
+        if block_size % s == 0:
+            return s
+    raise ValueError(f"no kernel block size in {list(sizes)} divides {block_size}")
+
+
+def expected_geometry(m: ModelSpec, tp: int = 1) -> Geometry:
+    """(N, kernel page, ratio) that vLLM 0.26 + FlashInfer (SM90) pick in align mode.
+
+    Platform._align_hybrid_block_size: align = max(min(kernel sizes), block_size=16),
+    N = align * cdiv(mamba_page, align * attn_bytes_per_token).
+    """
+    align = max(min(FLASHINFER_KERNEL_SIZES), DEFAULT_BLOCK_SIZE)
+    n = align * math.ceil(mamba_page_bytes(m, tp) / (align * attn_bytes_per_token(m, tp)))
+    n = max(n, DEFAULT_BLOCK_SIZE)
+    page = select_kernel_page(n)
+    return Geometry(n, page, n // page)
+
+
+def _layer_types(m: ModelSpec) -> list[str]:
+    unit = ["linear_attention"] * 3 + ["full_attention"]
+    return (unit * (m.num_hidden_layers // 4 + 1))[: m.num_hidden_layers]
+
+
+def model_config_dict(m: ModelSpec) -> dict[str, Any]:
+    """config.json of the tiny model (no weights: engines use load_format="dummy")."""
+    common: dict[str, Any] = {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size,
+        "num_hidden_layers": m.num_hidden_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "linear_num_key_heads": m.linear_num_key_heads,
+        "linear_num_value_heads": m.linear_num_value_heads,
+        "linear_key_head_dim": m.linear_key_head_dim,
+        "linear_value_head_dim": m.linear_value_head_dim,
+        "linear_conv_kernel_dim": m.conv_kernel,
+        "layer_types": _layer_types(m),
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": m.kv_dtype,
+    }
+    if m.family == "olmo_hybrid":
+        if m.hidden_size != m.num_attention_heads * m.head_dim:
+            raise ValueError("OlmoHybrid derives head_dim = hidden_size / num_attention_heads")
+        return {
+            "architectures": ["OlmoHybridForCausalLM"],
+            "model_type": "olmo_hybrid",
+            **common,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+        }
+    if m.family == "qwen3_5":
+        rotary_half = int(m.head_dim * 0.25) // 2
+        third = rotary_half // 3
+        mrope = [rotary_half - 2 * third, third, third]
+        text = {
+            "model_type": "qwen3_5_text",
+            **common,
+            "head_dim": m.head_dim,
+            "mamba_ssm_dtype": m.ssm_dtype,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": mrope,
+                "mrope_interleaved": True,
+            },
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+        }
+        vision = {
+            "model_type": "qwen3_5",
+            "depth": 1,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "in_channels": 3,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": m.hidden_size,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [],
+        }
+        return {
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5",
+            "text_config": text,
+            "vision_config": vision,
+            "image_token_id": m.vocab_size - 4,
+            "video_token_id": m.vocab_size - 3,
+            "vision_start_token_id": m.vocab_size - 2,
+            "vision_end_token_id": m.vocab_size - 1,
+            "tie_word_embeddings": False,
+            "torch_dtype": m.kv_dtype,
+        }
+    raise ValueError(f"unknown family {m.family}")
+
+
+def write_model_dir(m: ModelSpec, root: Path) -> Path:
+    d = Path(root) / m.name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(model_config_dict(m), indent=1) + "\n")
+    return d
+
+
+# ---------------------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------------------
+
+
+def make_prompt(length: int, seed: int, key_len: int = KEY_LEN) -> list[int]:
+    """Deterministic random token ids with a key-like run buried in the middle.
+
+    The key is a run of ``key_len`` tokens drawn from a narrow id band (like a hex key
+    in a document), placed around the middle so that a later question token depends on
+    KV far back in the context.
+    """
+    rng = random.Random(f"hybridfa-gate-{seed}")
+    toks = [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(length)]
+    if length >= 4 * key_len:
+        band = rng.randrange(TOKEN_LO, TOKEN_HI - 64)
+        start = length // 2 - key_len // 2
+        toks[start : start + key_len] = [band + rng.randrange(64) for _ in range(key_len)]
+    return toks
+
+
+def prompt_length(
+    block: int,
+    chunk: int,
+    exact: bool,
+    min_tokens: int = MIN_PROMPT_TOKENS,
+    hit_fraction: float = HIT_FRACTION,
+) -> int:
+    """Prompt length for a case.
+
+    exact: a multiple of the chunk (full-hit case). Otherwise m*chunk + r with r in the
+    middle of a block (not a multiple of N) and m large enough that the chunk-aligned
+    hit floor((P-1)/C)*C = m*C is at least ``hit_fraction`` of P.
+    """
+    m = max(2, math.ceil(min_tokens / chunk))
+    if exact:
+        return m * chunk
+    r = block // 2 + 7
+    if r % block == 0:
+        r += 1
+    m = max(m, math.ceil(r * hit_fraction / ((1 - hit_fraction) * chunk)))
+    while (m * chunk) < hit_fraction * (m * chunk + r):
+        m += 1
+    return m * chunk + r
+
+
+def max_promisable_hit(prompt_tokens: int, chunk: int) -> int:
+    """Largest chunk boundary strictly before the last prompt token."""
+    return (prompt_tokens - 1) // chunk * chunk
+
+
+def required_hit(prompt_tokens: int, chunk: int, hit_fraction: float = HIT_FRACTION) -> int:
+    return min(math.ceil(hit_fraction * prompt_tokens), max_promisable_hit(prompt_tokens, chunk))
+
+
+def prompt_key(tokens: Sequence[int]) -> str:
+    """Key the worker-side hook uses to find a request's block table (ids are opaque)."""
+    return f"{len(tokens)}:" + ",".join(str(t) for t in tokens[:16])
+
+
+# ---------------------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # key of MODELS
+    layout: str  # NHD | HND (VLLM_KV_CACHE_LAYOUT)
+    chunk_blocks: int  # LMCache chunk = chunk_blocks * N
+    exact: bool  # prompt length an exact multiple of the chunk
+    tp: int = 1
+
+    @property
+    def spec(self) -> ModelSpec:
+        return MODELS[self.model]
+
+    @property
+    def geometry(self) -> Geometry:
+        return expected_geometry(self.spec, self.tp)
+
+    @property
+    def chunk(self) -> int:
+        return self.chunk_blocks * self.geometry.block_size
+
+    @property
+    def prompt_tokens(self) -> int:
+        return prompt_length(self.geometry.block_size, self.chunk, self.exact)
+
+    @property
+    def case_id(self) -> str:
+        kind = "exact" if self.exact else "offset"
+        tp = f"-tp{self.tp}" if self.tp != 1 else ""
+        return f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}{tp}"
+
+
+def full_matrix(tp: int = 1) -> list[Case]:
+    """Cartesian: 6 models x NHD/HND x chunk N/2N x exact/offset (48 cases)."""
+    return [
+        Case(m, lay, cb, ex, tp)
+        for m in MODELS
+        for lay in ("NHD", "HND")
+        for cb in (1, 2)
+        for ex in (False, True)
+    ]
+
+
+def all_matrix(tp: int = 1) -> list[Case]:
+    """Covering subset: per model, NHD/C=N/offset, HND/C=2N/offset, NHD/C=2N/exact."""
+    out: list[Case] = []
+    for m in MODELS:
+        out += [
+            Case(m, "NHD", 1, False, tp),
+            Case(m, "HND", 2, False, tp),
+            Case(m, "NHD", 2, True, tp),
+        ]
+    return out
+
+
+def quick_matrix(tp: int = 1) -> list[Case]:
+    """Three cases: the section-M repro, the 0.8B-like ratio 17 (HND, 2N), ratio 25 full hit."""
+    return [
+        Case("olmo-r5", "NHD", 1, False, tp),
+        Case("qwen35-r17", "HND", 2, False, tp),
+        Case("olmo-r25", "NHD", 1, True, tp),
+    ]
+
+
+def select_cases(selector: str, tp: int = 1) -> list[Case]:
+    """quick | all | full | comma-separated case ids or regexes over case ids."""
+    named = {"quick": quick_matrix, "all": all_matrix, "full": full_matrix}
+    if selector in named:
+        return named[selector](tp)
+    pool = full_matrix(tp)
+    out: list[Case] = []
+    for part in (p.strip() for p in selector.split(",") if p.strip()):
+        hits = [c for c in pool if c.case_id == part] or [
+            c for c in pool if re.fullmatch(part, c.case_id)
+        ]
+        if not hits:
+            raise ValueError(f"no case matches {part!r}")
+        out += [c for c in hits if c not in out]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Evaluation (pure)
+# ---------------------------------------------------------------------------------------
+
+
+def compare_logprobs(
+    a: Sequence[dict[str, float]], b: Sequence[dict[str, float]], tol: float = LOGPROB_TOL
+) -> tuple[bool, float]:
+    """Per step: same top-k token ids and |logprob diff| <= tol. Returns (ok, max diff)."""
+    if len(a) != len(b):
+        return False, math.inf
+    worst = 0.0
+    ok = True
+    for sa, sb in zip(a, b, strict=True):
+        if set(sa) != set(sb):
+            ok = False
+            worst = math.inf
+            continue
+        for tok, lp in sa.items():
+            worst = max(worst, abs(lp - sb[tok]))
+    return ok and worst <= tol, worst
+
+
+def _ranks(hashes: Sequence[dict[str, Any]] | None) -> dict[int, dict[str, Any]]:
+    return {int(h["rank"]): h for h in (hashes or [])}
+
+
+def compare_kv_hashes(
+    store: Sequence[dict[str, Any]] | None,
+    restore: Sequence[dict[str, Any]] | None,
+    hit_tokens: int,
+) -> dict[str, Any]:
+    """Criterion (a).
+
+    Each element is one TP rank's report from engine_proc's ``_rpc_kv_hashes``:
+    {"rank", "block_size", "fa": {layer: {block_index: hash}}, "gdn": {...}}.
+    FA: every prompt block the storing engine hashed must be present and equal after
+    restore. GDN: only align-mode checkpoints both engines still hold are comparable
+    (a restored request holds null blocks below its hit); they must be equal and must
+    include the restored checkpoint, block hit/N - 1.
+    """
+    res: dict[str, Any] = {
+        "fa_blocks": 0,
+        "fa_bad": 0,
+        "gdn_blocks": 0,
+        "gdn_bad": 0,
+        "gdn_hit_block_checked": hit_tokens <= 0,
+        "mismatches": [],
+        "problems": [],
+    }
+    s_ranks, r_ranks = _ranks(store), _ranks(restore)
+    if not s_ranks or set(s_ranks) != set(r_ranks):
+        res["problems"].append(f"ranks differ: {sorted(s_ranks)} vs {sorted(r_ranks)}")
+    for rank, s in sorted(s_ranks.items()):
+        r = r_ranks.get(rank, {})
+        n = int(s.get("block_size") or 0)
+        hit_block = str(hit_tokens // n - 1) if n and hit_tokens >= n else None
+        for layer, blocks in sorted(s.get("fa", {}).items()):
+            got = r.get("fa", {}).get(layer, {})
+            for j, h in blocks.items():
+                res["fa_blocks"] += 1
+                if got.get(j) != h:
+                    res["fa_bad"] += 1
+                    if len(res["mismatches"]) < 8:
+                        res["mismatches"].append(f"rank{rank} fa {layer} block {j}")
+        for layer, blocks in sorted(s.get("gdn", {}).items()):
+            got = r.get("gdn", {}).get(layer, {})
+            for j in sorted(set(blocks) & set(got), key=int):
+                res["gdn_blocks"] += 1
+                if hit_block is not None and j == hit_block:
+                    res["gdn_hit_block_checked"] = True
+                if got[j] != blocks[j]:
+                    res["gdn_bad"] += 1
+                    if len(res["mismatches"]) < 8:
+                        res["mismatches"].append(f"rank{rank} gdn {layer} block {j}")
+    if res["fa_blocks"] == 0:
+        res["problems"].append("no FA blocks hashed")
+    if not res["gdn_hit_block_checked"]:
+        res["problems"].append("restored GDN checkpoint (block hit/N-1) not comparable")
+    res["match"] = not res["problems"] and res["fa_bad"] == 0 and res["gdn_bad"] == 0
+    return res
+
+
+def evaluate_case(
+    case: Case,
+    cold: dict[str, Any] | None,
+    store: dict[str, Any] | None,
+    restore: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Criteria (a)-(e) plus validity checks, from the three engines' JSON results."""
+    out: dict[str, Any] = {"errors": []}
+    for role, r in (("cold", cold), ("store", store), ("restore", restore)):
+        if not r or not r.get("ok"):
+            out["errors"].append(f"{role}: {(r or {}).get('error', 'no result')}"[:2000])
+    if out["errors"]:
+        out["completed"] = False
+        out["pass"] = False
+        return out
+    assert cold is not None and store is not None and restore is not None
+    out["completed"] = True
+    geo = case.geometry
+    observed = restore.get("geometry") or {}
+    out["observed_geometry"] = observed
+    geometry_ok = (
+        observed.get("block_size") == geo.block_size
+        and observed.get("kernel_page") == geo.kernel_page
+    )
+    fps = {
+        cold.get("weights_fingerprint"),
+        store.get("weights_fingerprint"),
+        restore.get("weights_fingerprint"),
+    }
+    weights_ok = len(fps) == 1 and None not in fps
+    layout_ok = all(r.get("observed_layout") in (case.layout, None) for r in (cold, store, restore))
+    if not geometry_ok:
+        out["errors"].append(f"geometry {observed} != expected {asdict(geo)}")
+    if not weights_ok:
+        out["errors"].append(f"weights differ across restarts: {sorted(map(str, fps))}")
+    if not layout_ok:
+        out["errors"].append("observed KV layout differs from the case's layout")
+
+    p = case.prompt_tokens
+    hit = int(restore.get("num_cached_tokens") or 0)
+    kv = compare_kv_hashes(store.get("kv_hashes"), restore.get("kv_hashes"), hit)
+    lp_ok, lp_diff = compare_logprobs(store["logprobs"], restore["logprobs"])
+    out.update(
+        prompt_tokens=p,
+        hit_tokens=hit,
+        hit_pct=round(100.0 * hit / p, 2),
+        required_hit=required_hit(p, case.chunk),
+        restore_s=restore.get("gen_s"),
+        cold_s=cold.get("gen_s"),
+        kv=kv,
+        bytes_match=kv["match"],
+        tokens_match=store["tokens"] == restore["tokens"],
+        logprobs_match=lp_ok,
+        logprob_max_diff=lp_diff,
+        cold_tokens_match_store=cold["tokens"] == store["tokens"],
+        health_ok=bool(restore.get("health", {}).get("ok")),
+        health_matches_cold=restore.get("health", {}).get("tokens")
+        == cold.get("health", {}).get("tokens"),
+    )
+    out["a"] = kv["match"]
+    out["b"] = out["tokens_match"] and lp_ok
+    out["c"] = hit > 0 and hit >= out["required_hit"]
+    out["d"] = (
+        out["restore_s"] is not None
+        and out["cold_s"] is not None
+        and out["restore_s"] < out["cold_s"]
+    )
+    out["e"] = out["health_ok"]
+    out["pass"] = not out["errors"] and all(out[k] for k in "abcde")
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# L2 folder inventory (fs adapter file names)
+# ---------------------------------------------------------------------------------------
+
+
+def parse_l2_filename(name: str) -> dict[str, Any] | None:
+    """``<model>@0x<kv_rank>@<og hex>@<chunk hash>[@salt].data`` (fs_l2_adapter.py).
+
+    kv_rank is the bitmap (ws<<24)|(rank<<16)|(local_ws<<8)|local.
+    """
+    if not name.endswith(".data"):
+        return None
+    parts = name[: -len(".data")].split("@")
+    if len(parts) not in (4, 5):
+        return None
+    try:
+        kv_rank = int(parts[1], 16)
+        og = int(parts[2], 16)
+    except ValueError:
+        return None
+    return {
+        "world_size": kv_rank >> 24,
+        "rank": (kv_rank >> 16) & 0xFF,
+        "object_group": og,
+        "chunk_hash": parts[3],
+    }
+
+
+def l2_inventory(root: Path) -> dict[str, Any]:
+    files = 0
+    total = 0
+    per_rank: dict[str, dict[str, int]] = {}
+    for p in Path(root).rglob("*"):
+        if not p.is_file():
+            continue
+        size = p.stat().st_size
+        meta = parse_l2_filename(p.name)
+        if meta is None:
+            continue
+        files += 1
+        total += size
+        slot = per_rank.setdefault(str(meta["rank"]), {"objects": 0, "bytes": 0})
+        slot["objects"] += 1
+        slot["bytes"] += size
+    return {"objects": files, "bytes": total, "per_rank": per_rank}
+
+
+def expected_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
+    """Bytes of one correct chunk object per rank: every layer's full pages (mamba padded)."""
+    n = expected_geometry(m, tp).block_size
+    return m.num_hidden_layers * n * attn_bytes_per_token(m, tp) * (chunk // n)
+
+
+# ---------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------
+
+TABLE_COLUMNS = (
+    "arm",
+    "case",
+    "model",
+    "N/page/ratio",
+    "layout",
+    "chunk",
+    "prompt tokens",
+    "hit %",
+    "restore s",
+    "cold s",
+    "bytes match",
+    "tokens match",
+    "logprobs match",
+    "pass",
+)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        return f"{v:.3g}" if math.isfinite(v) else "inf"
+    return str(v)
+
+
+def table_row(arm: str, rec: dict[str, Any]) -> list[str]:
+    ev = rec.get("eval", {})
+    g = rec["geometry"]
+    lp = ev.get("logprobs_match")
+    lp_s = None if lp is None else f"{_fmt(lp)} ({_fmt(ev.get('logprob_max_diff'))})"
+    return [
+        arm,
+        rec["case"],
+        rec["model"],
+        f"{g['block_size']}/{g['kernel_page']}/{g['ratio']}",
+        rec["layout"],
+        str(rec["chunk"]),
+        str(rec["prompt_tokens"]),
+        _fmt(ev.get("hit_pct")),
+        _fmt(ev.get("restore_s")),
+        _fmt(ev.get("cold_s")),
+        _fmt(ev.get("bytes_match")),
+        _fmt(ev.get("tokens_match")),
+        _fmt(lp_s),
+        _fmt(ev.get("pass")) if ev.get("completed") else "ERROR",
+    ]
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"# GPU restart gate, arm {report['arm']} ({report['date']})",
+        "",
+        f"- hardware: {report.get('hardware')}",
+        f"- versions: {report.get('versions')}",
+        f"- cases run: {len(report['cases'])}, not run: {len(report.get('not_run', []))}"
+        + (" (stopped at --max-seconds)" if report.get("stopped_early") else ""),
+        "",
+        "| " + " | ".join(TABLE_COLUMNS) + " |",
+        "|" + "---|" * len(TABLE_COLUMNS),
+    ]
+    for rec in report["cases"]:
+        lines.append("| " + " | ".join(table_row(report["arm"], rec)) + " |")
+    errs = [(r["case"], r.get("eval", {}).get("errors")) for r in report["cases"]]
+    errs = [(c, e) for c, e in errs if e]
+    if errs:
+        lines += ["", "## Errors", ""]
+        lines += [f"- {c}: {'; '.join(e)[:600]}" for c, e in errs]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------
+# Processes (node side)
+# ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def child_env(lmcache_dir: Path | None, layout: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if lmcache_dir is not None:
+        d = str(Path(lmcache_dir).resolve())
+        parts = [d] + [p for p in parts if Path(p).resolve() != Path(d)]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env["PYTHONUNBUFFERED"] = "1"
+    # In-process engine core: collective_rpc reaches the worker without msgpack and the
+    # worker-side hooks see the same objects; callables are still allowed for TP > 1.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if layout is not None:
+        env["VLLM_KV_CACHE_LAYOUT"] = layout
+    return env
+
+
+def kill_group(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL the process group we created with start_new_session=True (pgid == pid).
+
+    Also after the leader exited on its own: children it left (TP workers, a server's
+    helpers) are still in that group. Call right after the wait, never later.
+    """
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def start_server(
+    py: str,
+    env: dict[str, str],
+    port: int,
+    chunk: int,
+    l2_dir: Path,
+    log: Path,
+    timeout: float = 180.0,
+) -> subprocess.Popen[Any]:
+    cmd = [
+        py,
+        "-c",
+        SERVER_BOOT,
+        "server",
+        "--chunk-size",
+        str(chunk),
+        "--l1-size-gb",
+        "4",
+        "--eviction-policy",
+        "LRU",
+        "--port",
+        str(port),
+        "--http-port",
+        str(free_port()),
+        "--l2-adapter",
+        json.dumps({"type": "fs", "base_path": str(l2_dir)}),
+    ]
+    fh = open(log, "w")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(
+        cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    fh.close()
+    ready = re.compile(r"running|started|listening|ready", re.I)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerError(f"LMCache server exited rc={proc.returncode}:\n{tail(log)}")
+        if port_open(port) and ready.search(log.read_text(errors="replace")):
+            time.sleep(1.0)
+            return proc
+        time.sleep(0.5)
+    kill_group(proc)
+    raise ServerError(f"LMCache server not ready after {timeout:.0f}s:\n{tail(log)}")
+
+
+def run_engine(
+    py: str,
+    env: dict[str, str],
+    spec: dict[str, Any],
+    workdir: Path,
+    role: str,
+    timeout: float,
+) -> dict[str, Any]:
+    spec_path = workdir / f"{role}.spec.json"
+    out_path = workdir / f"{role}.json"
+    log = workdir / f"{role}.log"
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [py, str(ENGINE_PROC), str(spec_path), str(out_path)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+        else:
+            kill_group(proc)  # leftovers (TP workers) of an engine that exited
+    res: dict[str, Any]
+    try:
+        res = json.loads(out_path.read_text())
+    except (OSError, ValueError):
+        res = {"ok": False}
+    if not res.get("ok"):
+        res.setdefault("error", f"rc={proc.returncode}; log tail:\n{tail(log)}")
+    res["process_s"] = round(time.monotonic() - t0, 2)
+    res["rc"] = proc.returncode
+    res["log_facts"] = engine_log_facts(log.read_text(errors="replace") if log.exists() else "")
+    return res
+
+
+_LOG_FACTS = {
+    "attention_block_size": re.compile(r"Setting attention block size to (\d+)"),
+    "group_edits": re.compile(r"KV cache group edits applied: (.*)"),
+    "lmcache_retrieved": re.compile(r"Retrieved (\d+) tokens"),
+    "lmcache_compressed_group": re.compile(r"(compressed \(tokens_per_block=.*)"),
+}
+
+
+def engine_log_facts(text: str) -> dict[str, Any]:
+    facts: dict[str, Any] = {}
+    for key, rx in _LOG_FACTS.items():
+        found = rx.findall(text)
+        if found:
+            facts[key] = found[-1]
+    facts["tracebacks"] = text.count("Traceback (most recent call last)")
+    return facts
+
+
+def server_log_facts(text: str) -> dict[str, Any]:
+    pre = re.findall(r"Prefetch request completed[^\n]*", text)
+    return {
+        "prefetch": pre[-1] if pre else None,
+        "errors": len(re.findall(r"\bERROR\b|Traceback", text)),
+    }
+
+
+def wait_l2_stable(
+    root: Path, min_objects: int, timeout: float = 90.0, quiet: float = 3.0
+) -> dict[str, Any]:
+    """Wait until the L2 folder holds >= min_objects and stops changing for ``quiet`` s."""
+    deadline = time.monotonic() + timeout
+    last = l2_inventory(root)
+    since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        inv = l2_inventory(root)
+        if (inv["objects"], inv["bytes"]) != (last["objects"], last["bytes"]):
+            last, since = inv, time.monotonic()
+        elif inv["objects"] >= min_objects and time.monotonic() - since >= quiet:
+            return {**inv, "stable": True}
+    return {**last, "stable": False}
+
+
+# ---------------------------------------------------------------------------------------
+# One case, many cases
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunConfig:
+    arm: str
+    lmcache_dir: Path
+    out: Path
+    python: str = sys.executable
+    gpu_memory_utilization: float = 0.25
+    engine_timeout: float = 420.0
+    keep_l2: bool = False
+    work: Path = field(default_factory=lambda: Path("/tmp/hybridfa-gate"))
+
+
+def engine_spec(
+    case: Case, role: str, model_dir: Path, rc: RunConfig, port: int | None, l2_dir: Path | None
+) -> dict[str, Any]:
+    g = case.geometry
+    p = case.prompt_tokens
+    spec: dict[str, Any] = {
+        "role": role,
+        "model_dir": str(model_dir),
+        "language_model_only": case.spec.family == "qwen3_5",
+        "tensor_parallel_size": case.tp,
+        "gpu_memory_utilization": rc.gpu_memory_utilization,
+        "max_num_batched_tokens": 2 * g.block_size - 1,
+        "max_model_len": p + 4 * g.block_size,
+        "prompt": make_prompt(p, seed=1),
+        "warmup": make_prompt(2 * g.block_size + 3, seed=2),
+        "health": make_prompt(3 * g.block_size + 17, seed=3),
+        "prompt_key": prompt_key(make_prompt(p, seed=1)),
+        "new_tokens": NEW_TOKENS,
+        "top_k": TOP_K,
+        "weight_seed": WEIGHT_SEED,
+        "weight_std": WEIGHT_STD,
+        "layout": case.layout,
+    }
+    if port is not None:
+        spec["lmcache"] = {
+            "module_path": CONNECTOR_MODULE,
+            "extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port},
+        }
+    if role == "store" and l2_dir is not None:
+        spec["l2_dir"] = str(l2_dir)
+        spec["l2_min_objects"] = (p // case.chunk) * case.tp
+    return spec
+
+
+def run_case(
+    case: Case, rc: RunConfig, cold_cache: dict[tuple[Any, ...], dict[str, Any]]
+) -> dict[str, Any]:
+    t0 = time.monotonic()
+    g = case.geometry
+    wd = rc.work / rc.arm / case.case_id
+    shutil.rmtree(wd, ignore_errors=True)
+    wd.mkdir(parents=True)
+    l2 = wd / "l2"
+    l2.mkdir()
+    model_dir = write_model_dir(case.spec, rc.work / "models")
+    env = child_env(rc.lmcache_dir, case.layout)
+    rec: dict[str, Any] = {
+        "case": case.case_id,
+        "model": case.model,
+        "family": case.spec.family,
+        "geometry": asdict(g),
+        "layout": case.layout,
+        "chunk": case.chunk,
+        "prompt_tokens": case.prompt_tokens,
+        "tp": case.tp,
+        "expected_chunk_bytes": expected_chunk_bytes(case.spec, case.chunk, case.tp),
+    }
+    key = (case.model, case.prompt_tokens, case.layout, case.tp)
+    cold = cold_cache.get(key)
+    if cold is None:
+        cold = run_engine(
+            rc.python,
+            env,
+            engine_spec(case, "cold", model_dir, rc, None, None),
+            wd,
+            "cold",
+            rc.engine_timeout,
+        )
+        if cold.get("ok"):
+            cold_cache[key] = cold
+    store = restore = None
+    servers: list[subprocess.Popen[Any]] = []
+    try:
+        port = free_port()
+        srv = start_server(rc.python, env, port, case.chunk, l2, wd / "server1.log")
+        servers.append(srv)
+        store = run_engine(
+            rc.python,
+            env,
+            engine_spec(case, "store", model_dir, rc, port, l2),
+            wd,
+            "store",
+            rc.engine_timeout,
+        )
+        rec["l2_after_store"] = wait_l2_stable(l2, (case.prompt_tokens // case.chunk) * case.tp)
+        kill_group(srv)
+        rec["server1"] = server_log_facts((wd / "server1.log").read_text(errors="replace"))
+        rec["l2_after_kill"] = l2_inventory(l2)
+        inv = rec["l2_after_kill"]
+        if inv["objects"]:
+            rec["l2_bytes_per_object"] = inv["bytes"] / inv["objects"]
+        if store.get("ok"):
+            port = free_port()
+            srv = start_server(rc.python, env, port, case.chunk, l2, wd / "server2.log")
+            servers.append(srv)
+            restore = run_engine(
+                rc.python,
+                env,
+                engine_spec(case, "restore", model_dir, rc, port, None),
+                wd,
+                "restore",
+                rc.engine_timeout,
+            )
+            kill_group(srv)
+            rec["server2"] = server_log_facts((wd / "server2.log").read_text(errors="replace"))
+    except ServerError as e:
+        rec["server_error"] = str(e)[-3000:]
+    finally:
+        for s in servers:
+            kill_group(s)
+    ev = evaluate_case(case, cold, store, restore)
+    if rec.get("server_error"):
+        ev["errors"].append(rec["server_error"][-1500:])
+        ev["pass"] = False
+    rec["eval"] = ev
+    rec["engines"] = {
+        role: _slim(r) for role, r in (("cold", cold), ("store", store), ("restore", restore))
+    }
+    rec["case_s"] = round(time.monotonic() - t0, 1)
+    if not rc.keep_l2:
+        shutil.rmtree(l2, ignore_errors=True)
+    return rec
+
+
+def _slim(r: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Engine result without the bulky per-block hashes (those stay in the case folder)."""
+    if r is None:
+        return None
+    return {k: v for k, v in r.items() if k not in ("kv_hashes",)}
+
+
+def collect_environment(py: str, lmcache_dir: Path) -> dict[str, Any]:
+    probe = r"""
+import importlib, importlib.metadata as md, importlib.util, json
+out = {}
+for mod in ("vllm", "torch", "flashinfer", "lmcache"):
+    try:
+        m = importlib.import_module(mod)
+        out[mod] = getattr(m, "__version__", None)
+        if mod == "lmcache":
+            try:
+                out["lmcache_dist"] = md.version("lmcache")
+            except md.PackageNotFoundError:
+                out["lmcache_dist"] = None
+            out["lmcache_path"] = m.__path__[0]
+        if mod == "torch":
+            out["cuda"] = m.version.cuda
+    except Exception as e:  # noqa: BLE001
+        out[mod] = f"import failed: {type(e).__name__}: {e}"
+spec = importlib.util.find_spec("lmcache._hybridfa")
+out["lmcache_hybridfa"] = spec is not None
+if spec is not None:
+    h = importlib.import_module("lmcache._hybridfa")
+    out["hybridfa_version"] = getattr(h, "VERSION", None)
+    out["hybridfa_patches"] = list(getattr(h, "PATCHES", ()))
+print("GATE-ENV " + json.dumps(out))
+"""
+    env = child_env(lmcache_dir, None)
+    versions: dict[str, Any] = {}
+    try:
+        cp = subprocess.run([py, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+        for line in cp.stdout.splitlines():
+            if line.startswith("GATE-ENV "):
+                versions = json.loads(line[len("GATE-ENV ") :])
+        if not versions:
+            versions = {"probe_error": (cp.stderr or cp.stdout)[-1500:]}
+    except (OSError, subprocess.TimeoutExpired) as e:
+        versions = {"probe_error": str(e)}
+    hardware: dict[str, Any] = {}
+    try:
+        cp = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        hardware["gpus"] = [ln.strip() for ln in cp.stdout.splitlines() if ln.strip()]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        hardware["gpus"] = f"nvidia-smi failed: {e}"
+    return {"versions": versions, "hardware": hardware}
+
+
+def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | None:
+    """The lmcache the engines import must be the one under test, of the right arm."""
+    path = versions.get("lmcache_path")
+    if not path:
+        return f"lmcache not importable from {lmcache_dir}: {versions}"
+    if Path(path).resolve().parent != Path(lmcache_dir).resolve():
+        return f"engines import lmcache from {path}, not from {lmcache_dir}"
+    if bool(versions.get("lmcache_hybridfa")) != (arm == "patched"):
+        return f"--arm {arm} but lmcache at {path} has _hybridfa={versions.get('lmcache_hybridfa')}"
+    return None
+
+
+def run_matrix(
+    cases: Iterable[Case],
+    rc: RunConfig,
+    max_seconds: float = 0.0,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run cases in order; stop before a case that would not fit in ``max_seconds``.
+
+    Writes ``<out>/gpu-gate-<date>-<arm>.json`` and ``.md`` after every case, so a call
+    cut short still leaves the finished cases on disk.
+    """
+    t0 = time.monotonic()
+    cases = list(cases)
+    rc.out.mkdir(parents=True, exist_ok=True)
+    date = _dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
+    stem = rc.out / f"gpu-gate-{date}-{rc.arm}"
+    envinfo = collect_environment(rc.python, rc.lmcache_dir)
+    report: dict[str, Any] = {
+        "arm": rc.arm,
+        "date": date,
+        "lmcache_dir": str(rc.lmcache_dir),
+        **envinfo,
+        "cases": [],
+        "not_run": [],
+        "stopped_early": False,
+    }
+    problem = arm_problem(rc.arm, envinfo["versions"], rc.lmcache_dir)
+
+    def flush() -> None:
+        report["elapsed_s"] = round(time.monotonic() - t0, 1)
+        report["summary"] = {
+            "run": len(report["cases"]),
+            "passed": sum(bool(r["eval"].get("pass")) for r in report["cases"]),
+            "bytes_mismatch": sum(r["eval"].get("bytes_match") is False for r in report["cases"]),
+            "errors": sum(not r["eval"].get("completed") for r in report["cases"]),
+        }
+        Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        Path(f"{stem}.md").write_text(markdown_report(report))
+
+    if problem:
+        report["error"] = problem
+        report["not_run"] = [c.case_id for c in cases]
+        flush()
+        return report
+    cold_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
+    longest = 0.0
+    for i, case in enumerate(cases):
+        elapsed = time.monotonic() - t0
+        # First case pays FlashInfer JIT once per node; later ones ~3 engine starts.
+        estimate = longest or 420.0
+        if max_seconds and elapsed + estimate > max_seconds:
+            report["stopped_early"] = True
+            report["not_run"] = [c.case_id for c in cases[i:]]
+            break
+        rec = run_case(case, rc, cold_cache)
+        longest = max(longest, rec["case_s"]) if i else rec["case_s"] * 0.6
+        report["cases"].append(rec)
+        flush()
+        if on_progress:
+            on_progress(rec)
+    flush()
+    report["json_path"] = f"{stem}.json"
+    report["md_path"] = f"{stem}.md"
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arm", choices=("patched", "pristine"), required=True)
+    ap.add_argument(
+        "--lmcache-dir",
+        type=Path,
+        required=True,
+        help="folder holding the lmcache package under test (put first on "
+        "PYTHONPATH of every engine and server)",
+    )
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument(
+        "--cases", default="quick", help="quick | all | full | comma-separated case ids / regexes"
+    )
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        default=0.0,
+        help="stop cleanly before a case that would overrun (0: no limit)",
+    )
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-gate"))
+    ap.add_argument("--keep-l2", action="store_true")
+    ap.add_argument("--list", action="store_true", help="print the selected cases and exit")
+    a = ap.parse_args(argv)
+    cases = select_cases(a.cases, a.tp)
+    if a.list:
+        for c in cases:
+            g = c.geometry
+            print(
+                f"{c.case_id:36s} N={g.block_size} page={g.kernel_page} r={g.ratio} "
+                f"chunk={c.chunk} prompt={c.prompt_tokens}"
+            )
+        return 0
+    rc = RunConfig(
+        arm=a.arm,
+        lmcache_dir=a.lmcache_dir.resolve(),
+        out=a.out,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        keep_l2=a.keep_l2,
+        work=a.work,
+    )
+
+    def progress(rec: dict[str, Any]) -> None:
+        print(" | ".join(table_row(a.arm, rec)), flush=True)
+
+    report = run_matrix(cases, rc, a.max_seconds, progress)
+    if report.get("error"):
+        print(f"gate: {report['error']}", file=sys.stderr)
+        return 2
+    print(Path(report["md_path"]).read_text())
+    s = report["summary"]
+    if a.arm == "patched":
+        ok = s["run"] > 0 and s["passed"] == s["run"]
+    else:
+        ok = s["run"] > 0 and s["bytes_mismatch"] == s["run"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""GPU restart gate, quick cases, for the arm in HYBRIDFA_ARM (tests/conftest.py).
+
+patched:  every case passes (a)-(e).
+pristine: every case completes and fails (a): the restored FA bytes differ (issue 6).
+
+Environment: HYBRIDFA_GATE_OUT (default results/), HYBRIDFA_GATE_CASES (default quick),
+HYBRIDFA_GATE_MAX_SECONDS (default 0 = no limit), HYBRIDFA_GATE_TP (default 1).
+The lmcache under test is the one this pytest imports (its folder goes first on the
+engines' PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import gate
+import pytest
+
+ARM = os.environ.get("HYBRIDFA_ARM", "patched")
+
+
+def _lmcache_dir() -> Path:
+    spec = importlib.util.find_spec("lmcache")
+    if spec is None or spec.origin is None:
+        pytest.skip("lmcache is not importable")
+    return Path(spec.origin).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    rc = gate.RunConfig(
+        arm=ARM,
+        lmcache_dir=_lmcache_dir(),
+        out=Path(os.environ.get("HYBRIDFA_GATE_OUT", "results")),
+    )
+    tp = int(os.environ.get("HYBRIDFA_GATE_TP", "1"))
+    cases = gate.select_cases(os.environ.get("HYBRIDFA_GATE_CASES", "quick"), tp)
+    return gate.run_matrix(cases, rc, float(os.environ.get("HYBRIDFA_GATE_MAX_SECONDS", "0")))
+
+
+def _summary(report: dict) -> str:
+    return "\n" + gate.markdown_report(report)
+
+
+@pytest.mark.gpu
+def test_restart_gate(report: dict) -> None:
+    assert not report.get("error"), report.get("error")
+    cases = report["cases"]
+    assert cases, "no case ran" + _summary(report)
+    for rec in cases:
+        ev = rec["eval"]
+        assert ev.get("completed"), f"{rec['case']}: {ev.get('errors')}" + _summary(report)
+        if ARM == "patched":
+            failed = [k for k in "abcde" if not ev.get(k)]
+            assert ev["pass"] and not failed, (
+                f"{rec['case']}: failed {failed} errors={ev.get('errors')} "
+                f"kv={ev.get('kv')}" + _summary(report)
+            )
+        else:
+            assert ev["bytes_match"] is False, (
+                f"{rec['case']}: pristine restored identical KV bytes; the gate cannot "
+                "see the bug" + _summary(report)
+            )

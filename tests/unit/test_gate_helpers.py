@@ -1,0 +1,441 @@
+"""CPU tests of the GPU restart gate's pure helpers (tests/gpu/gate.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+GPU_DIR = Path(__file__).resolve().parent.parent / "gpu"
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gate = _load("hybridfa_gpu_gate", GPU_DIR / "gate.py")
+
+
+@pytest.mark.parametrize("name", sorted(gate.MODELS))
+def test_expected_geometry_of_each_tiny_model(name: str) -> None:
+    ratio = int(name.rsplit("-r", 1)[1])
+    assert gate.expected_geometry(gate.MODELS[name]) == gate.EXPECTED[ratio]
+
+
+def test_expected_geometry_matches_the_three_required_ratios() -> None:
+    got = {
+        (g.block_size, g.kernel_page, g.ratio)
+        for g in map(gate.expected_geometry, gate.MODELS.values())
+    }
+    assert got == {(80, 16, 5), (544, 32, 17), (1600, 64, 25)}
+
+
+def test_select_kernel_page_is_largest_dividing_size() -> None:
+    assert gate.select_kernel_page(80) == 16
+    assert gate.select_kernel_page(544) == 32
+    assert gate.select_kernel_page(1600) == 64
+    assert gate.select_kernel_page(32) == 32
+    with pytest.raises(ValueError):
+        gate.select_kernel_page(40)
+
+
+class _FlashInferLike:
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int]:
+        return list(gate.FLASHINFER_KERNEL_SIZES)
+
+
+@pytest.mark.parametrize("name", sorted(gate.MODELS))
+def test_geometry_agrees_with_vllm_specs(name: str) -> None:
+    """Page sizes from vLLM 0.26's own spec classes and state-shape calculator."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    m = gate.MODELS[name]
+    dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        1,
+        m.linear_num_key_heads,
+        m.linear_num_value_heads,
+        m.linear_key_head_dim,
+        m.linear_value_head_dim,
+        m.conv_kernel,
+        0,
+    )
+    mamba = MambaSpec(shapes=shapes, dtypes=(dt[m.kv_dtype], dt[m.ssm_dtype]), block_size=-1)
+    attn = FullAttentionSpec(
+        block_size=1, num_kv_heads=m.num_kv_heads, head_size=m.head_dim, dtype=dt[m.kv_dtype]
+    )
+    assert mamba.page_size_bytes == gate.mamba_page_bytes(m)
+    assert attn.page_size_bytes == gate.attn_bytes_per_token(m)
+
+
+@pytest.mark.parametrize("name", sorted(gate.MODELS))
+def test_kernel_page_agrees_with_vllm_select_common_block_size(name: str) -> None:
+    # vllm.v1.worker.utils pulls in einops (absent from the CPU venv): skip there.
+    utils = pytest.importorskip("vllm.v1.worker.utils")
+    g = gate.expected_geometry(gate.MODELS[name])
+    assert utils.select_common_block_size(g.block_size, [_FlashInferLike]) == g.kernel_page
+
+
+@pytest.mark.parametrize("name", sorted(gate.MODELS))
+def test_model_config_loads_in_vllm_config_classes(name: str) -> None:
+    pytest.importorskip("transformers")
+    m = gate.MODELS[name]
+    cfg = gate.model_config_dict(m)
+    if m.family == "olmo_hybrid":
+        from vllm.transformers_utils.configs.olmo_hybrid import OlmoHybridConfig
+
+        c = OlmoHybridConfig(**cfg)
+        text = c
+        assert c.hidden_size // c.num_attention_heads == m.head_dim
+    else:
+        from vllm.transformers_utils.configs.qwen3_5 import Qwen3_5Config
+
+        c = Qwen3_5Config(**cfg)
+        text = c.text_config
+        assert text.head_dim == m.head_dim
+        assert text.mamba_ssm_dtype == "float32"
+        rope = text.rope_parameters
+        assert sum(rope["mrope_section"]) == int(m.head_dim * 0.25) // 2
+    assert text.layer_types.count("full_attention") == 2
+    assert text.layer_types.count("linear_attention") == 6
+    assert text.linear_num_value_heads == m.linear_num_value_heads
+
+
+def test_write_model_dir(tmp_path: Path) -> None:
+    d = gate.write_model_dir(gate.MODELS["olmo-r5"], tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["OlmoHybridForCausalLM"]
+
+
+def test_make_prompt_is_deterministic_with_a_buried_key() -> None:
+    a = gate.make_prompt(4207, seed=1)
+    assert a == gate.make_prompt(4207, seed=1)
+    assert a != gate.make_prompt(4207, seed=2)
+    assert len(a) == 4207
+    assert all(gate.TOKEN_LO <= t < gate.TOKEN_HI for t in a)
+    start = 4207 // 2 - gate.KEY_LEN // 2
+    key = a[start : start + gate.KEY_LEN]
+    assert max(key) - min(key) < 64  # the narrow-band run
+    assert gate.prompt_key(a) == gate.prompt_key(list(a))
+    assert gate.prompt_key(a) != gate.prompt_key(a[:-1])
+
+
+@pytest.mark.parametrize(
+    "n,chunk_blocks", [(80, 1), (80, 2), (544, 1), (544, 2), (1600, 1), (1600, 2)]
+)
+def test_prompt_lengths(n: int, chunk_blocks: int) -> None:
+    c = n * chunk_blocks
+    exact = gate.prompt_length(n, c, exact=True)
+    assert exact % c == 0 and exact >= gate.MIN_PROMPT_TOKENS
+    p = gate.prompt_length(n, c, exact=False)
+    assert p % n != 0
+    assert gate.max_promisable_hit(p, c) >= gate.HIT_FRACTION * p
+    assert gate.required_hit(p, c) >= gate.HIT_FRACTION * p
+    # exact multiple: the last chunk is recomputed, so at most (m-1)*C can be required
+    assert gate.required_hit(exact, c) == min(math.ceil(gate.HIT_FRACTION * exact), exact - c)
+
+
+def test_case_selection() -> None:
+    quick, every, full = (gate.select_cases(s) for s in ("quick", "all", "full"))
+    assert len(quick) == 3 and len(every) == 18 and len(full) == 48
+    assert len({c.case_id for c in full}) == 48
+    assert set(quick) <= set(full) and set(every) <= set(full)
+    assert {c.geometry.ratio for c in every} == {5, 17, 25}
+    assert {c.layout for c in every} == {"NHD", "HND"}
+    assert {c.chunk_blocks for c in every} == {1, 2}
+    assert {c.exact for c in every} == {True, False}
+    assert {c.spec.family for c in every} == {"olmo_hybrid", "qwen3_5"}
+    picked = gate.select_cases("olmo-r5-NHD-c1N-offset,qwen35-r25-.*-exact")
+    assert [c.case_id for c in picked] == [
+        "olmo-r5-NHD-c1N-offset",
+        "qwen35-r25-NHD-c1N-exact",
+        "qwen35-r25-NHD-c2N-exact",
+        "qwen35-r25-HND-c1N-exact",
+        "qwen35-r25-HND-c2N-exact",
+    ]
+    with pytest.raises(ValueError):
+        gate.select_cases("nope")
+    assert gate.select_cases("quick", tp=2)[0].case_id.endswith("-tp2")
+
+
+def test_compare_logprobs() -> None:
+    a = [{"1": -0.5, "2": -1.0}, {"3": -0.1, "4": -2.0}]
+    assert gate.compare_logprobs(a, a) == (True, 0.0)
+    ok, diff = gate.compare_logprobs(a, [{"1": -0.5004, "2": -1.0}, {"3": -0.1, "4": -2.0}])
+    assert ok and diff == pytest.approx(4e-4)
+    assert not gate.compare_logprobs(a, [{"1": -0.51, "2": -1.0}, a[1]])[0]
+    assert gate.compare_logprobs(a, [{"1": -0.5, "9": -1.0}, a[1]])[0] is False
+    assert gate.compare_logprobs(a, a[:1])[0] is False
+
+
+def _hashes(fa: dict[str, str], gdn: dict[str, str], rank: int = 0) -> dict:
+    return {"rank": rank, "block_size": 80, "fa": {"l3": fa}, "gdn": {"l0": gdn}}
+
+
+def test_compare_kv_hashes_equal_and_restored_checkpoint_covered() -> None:
+    store = [_hashes({"0": "a", "1": "b", "2": "c"}, {"0": "x", "1": "y"})]
+    restore = [_hashes({"0": "a", "1": "b", "2": "c"}, {"1": "y"})]  # nulls below the hit
+    res = gate.compare_kv_hashes(store, restore, hit_tokens=160)
+    assert res["match"] and res["fa_blocks"] == 3 and res["gdn_blocks"] == 1
+
+
+def test_compare_kv_hashes_detects_wrong_fa_pages() -> None:
+    store = [_hashes({"0": "a", "1": "b"}, {"0": "x"})]
+    restore = [_hashes({"0": "a", "1": "B"}, {"0": "x"})]
+    res = gate.compare_kv_hashes(store, restore, hit_tokens=80)
+    assert not res["match"] and res["fa_bad"] == 1
+    assert res["mismatches"] == ["rank0 fa l3 block 1"]
+
+
+def test_compare_kv_hashes_requires_the_restored_gdn_checkpoint() -> None:
+    store = [_hashes({"0": "a"}, {"0": "x", "1": "y"})]
+    restore = [_hashes({"0": "a"}, {"0": "x"})]
+    res = gate.compare_kv_hashes(store, restore, hit_tokens=160)  # hit block is 1
+    assert not res["match"] and res["problems"]
+
+
+def test_compare_kv_hashes_per_rank() -> None:
+    store = [_hashes({"0": "a"}, {}, 0), _hashes({"0": "b"}, {}, 1)]
+    assert gate.compare_kv_hashes(store, list(reversed(store)), 0)["match"]
+    assert not gate.compare_kv_hashes(store, store[:1], 0)["match"]
+
+
+def _engine(tokens, lps, gen_s, cached=None, kv=None, health=True) -> dict:
+    return {
+        "ok": True,
+        "tokens": tokens,
+        "logprobs": lps,
+        "gen_s": gen_s,
+        "num_cached_tokens": cached,
+        "kv_hashes": kv,
+        "weights_fingerprint": "w",
+        "geometry": {"block_size": 80, "kernel_page": 16, "ratio": 5},
+        "observed_layout": "NHD",
+        "health": {"ok": health, "tokens": [1, 2]},
+    }
+
+
+def test_evaluate_case_pass_and_pristine_like_failure() -> None:
+    case = gate.Case("olmo-r5", "NHD", 1, False)
+    p = case.prompt_tokens
+    lps = [{"5": -1.0}]
+    kv = [_hashes({"0": "a"}, {str(p // 80 - 1): "x"})]
+    cold = _engine([5], lps, 2.0)
+    store = _engine([5], lps, 2.1, kv=kv)
+    restore = _engine([5], lps, 0.5, cached=p // 80 * 80, kv=kv)
+    ev = gate.evaluate_case(case, cold, store, restore)
+    assert ev["pass"], ev
+    bad = _engine(
+        [5], lps, 0.5, cached=p // 80 * 80, kv=[_hashes({"0": "WRONG"}, {str(p // 80 - 1): "x"})]
+    )
+    ev = gate.evaluate_case(case, cold, store, bad)
+    assert ev["completed"] and ev["bytes_match"] is False and not ev["pass"]
+    assert ev["b"] and ev["c"] and ev["d"] and ev["e"]
+
+
+def test_evaluate_case_criteria_c_d_and_errors() -> None:
+    case = gate.Case("olmo-r5", "NHD", 1, False)
+    kv = [_hashes({"0": "a"}, {})]
+    cold = _engine([5], [], 1.0)
+    store = _engine([5], [], 1.0, kv=kv)
+    ev = gate.evaluate_case(case, cold, store, _engine([5], [], 1.5, cached=80, kv=kv))
+    assert not ev["c"] and not ev["d"] and not ev["pass"]
+    ev = gate.evaluate_case(case, cold, store, {"ok": False, "error": "boom"})
+    assert not ev["completed"] and "restore: boom" in ev["errors"][0]
+    wrong_geo = _engine([5], [], 0.1, cached=case.prompt_tokens, kv=kv)
+    wrong_geo["geometry"] = {"block_size": 48, "kernel_page": 16}
+    ev = gate.evaluate_case(case, cold, store, wrong_geo)
+    assert not ev["pass"] and "geometry" in ev["errors"][0]
+
+
+def test_l2_filename_and_inventory(tmp_path: Path) -> None:
+    meta = gate.parse_l2_filename("m@0x02010201@0@abcd.data")
+    assert meta == {"world_size": 2, "rank": 1, "object_group": 0, "chunk_hash": "abcd"}
+    assert gate.parse_l2_filename("m@0x00000000@1@ab@salt.data")["object_group"] == 1
+    assert gate.parse_l2_filename("x.tmp") is None
+    (tmp_path / "m@0x02000200@0@aa.data").write_bytes(b"1" * 10)
+    (tmp_path / "m@0x02010201@0@aa.data").write_bytes(b"1" * 7)
+    (tmp_path / "m@0x02010201@0@bb.data").write_bytes(b"1" * 7)
+    (tmp_path / "junk.tmp").write_bytes(b"1")
+    inv = gate.l2_inventory(tmp_path)
+    assert inv["objects"] == 3 and inv["bytes"] == 24
+    assert inv["per_rank"] == {"0": {"objects": 1, "bytes": 10}, "1": {"objects": 2, "bytes": 14}}
+
+
+def test_expected_chunk_bytes_section_m() -> None:
+    # Section M: a correct 80-token chunk of the tiny OlmoHybrid is 8 x 81,920 B.
+    assert gate.expected_chunk_bytes(gate.MODELS["olmo-r5"], 80) == 655_360
+
+
+def test_engine_log_facts() -> None:
+    text = (
+        "Setting attention block size to 80 tokens\n"
+        "KV cache group edits applied: {'mamba-page-view': 6}\nRetrieved 6000 tokens\n"
+    )
+    facts = gate.engine_log_facts(text)
+    assert facts["attention_block_size"] == "80"
+    assert facts["group_edits"] == "{'mamba-page-view': 6}"
+    assert facts["lmcache_retrieved"] == "6000" and facts["tracebacks"] == 0
+
+
+def test_child_env_puts_lmcache_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", f"/tmp/site:{tmp_path}")
+    env = gate.child_env(tmp_path, "HND")
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path.resolve()), "/tmp/site"]
+    assert env["VLLM_KV_CACHE_LAYOUT"] == "HND"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_engine_spec_and_report(tmp_path: Path) -> None:
+    case = gate.Case("qwen35-r17", "HND", 2, False)
+    rc = gate.RunConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path)
+    spec = gate.engine_spec(case, "store", tmp_path, rc, 5555, tmp_path / "l2")
+    assert spec["max_num_batched_tokens"] == 2 * 544 - 1
+    assert spec["language_model_only"] is True
+    assert spec["lmcache"]["extra_config"]["lmcache.mp.port"] == 5555
+    assert spec["prompt_key"] == gate.prompt_key(spec["prompt"])
+    assert spec["l2_min_objects"] == case.prompt_tokens // case.chunk
+    assert "lmcache" not in gate.engine_spec(case, "cold", tmp_path, rc, None, None)
+    rec = {
+        "case": case.case_id,
+        "model": case.model,
+        "geometry": {"block_size": 544, "kernel_page": 32, "ratio": 17},
+        "layout": "HND",
+        "chunk": case.chunk,
+        "prompt_tokens": case.prompt_tokens,
+        "eval": {"completed": False, "errors": ["store: boom"]},
+    }
+    md = gate.markdown_report({"arm": "patched", "date": "d", "cases": [rec]})
+    assert "| patched | qwen35-r17-HND-c2N-offset |" in md and "ERROR" in md
+    assert "store: boom" in md
+
+
+def test_arm_problem(tmp_path: Path) -> None:
+    pkg = tmp_path / "lmcache"
+    v = {"lmcache_path": str(pkg), "lmcache_hybridfa": True}
+    assert gate.arm_problem("patched", v, tmp_path) is None
+    assert "_hybridfa" in gate.arm_problem("pristine", v, tmp_path)
+    assert "not from" in gate.arm_problem("patched", v, tmp_path / "other")
+
+
+def test_gpu_conftest_skips_without_cuda() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    conf = _load("hybridfa_gpu_conftest", GPU_DIR / "conftest.py")
+    reason = conf.gpu_skip_reason()
+    assert reason and "no CUDA GPU" in reason
+
+
+# --- worker-side helpers of engine_proc.py, on fake CPU model runners -------------------
+
+engine_proc = _load("hybridfa_gpu_engine_proc", GPU_DIR / "engine_proc.py")
+
+
+def _fa_views(torch, n_kernel: int, page: int, heads: int, width: int, seed: int = 0):
+    """Same token-major content as an NHD (strided) and an HND (contiguous) FA cache."""
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randn(n_kernel, page, heads, width, generator=g).to(torch.bfloat16)
+    nhd = tok.permute(0, 2, 1, 3)  # logical (B, H, page, 2hs), memory (B, page, H, 2hs)
+    hnd = tok.permute(0, 2, 1, 3).contiguous()
+    return nhd, hnd
+
+
+def _fake_runner(torch, fa, gdn, n: int, blocks, tokens):
+    from types import SimpleNamespace as NS
+
+    class Runner:
+        def __init__(self) -> None:
+            self.requests = {"r0": NS(prompt_token_ids=tokens, block_ids=blocks)}
+            self.compilation_config = NS(
+                static_forward_context={"fa.0": NS(kv_cache=fa), "gdn.0": NS(kv_cache=gdn)}
+            )
+            self.kv_cache_config = NS(
+                kv_cache_groups=[
+                    NS(kv_cache_spec=NS(block_size=n), layer_names=["gdn.0"]),
+                    NS(kv_cache_spec=NS(block_size=n), layer_names=["fa.0"]),
+                ]
+            )
+            self.model = torch.nn.ModuleDict(
+                {"proj": torch.nn.Linear(4, 4), "input_layernorm": torch.nn.LayerNorm(4)}
+            )
+
+        def _update_states(self, scheduler_output):
+            return "orig"
+
+        def get_model(self):
+            return self.model
+
+    return NS(worker=NS(model_runner=Runner(), rank=0))
+
+
+def _gdn(torch, nb: int):
+    g = torch.Generator().manual_seed(7)
+    return [
+        torch.randn(nb, 3, 16, generator=g).to(torch.bfloat16),
+        torch.randn(nb, 2, 4, 4, generator=g),
+    ]
+
+
+def _hash_run(torch, fa, tokens, n=80):
+    blocks = ([0, 3, 1, 2], [5, 3, 1, 2])  # GDN group has a null block, FA group none
+    w = _fake_runner(torch, fa, _gdn(torch, 8), n, blocks, tokens)
+    assert engine_proc._rpc_install_block_hook(w) == "Runner"
+    assert w.worker.model_runner._update_states(None) == "orig"
+    return engine_proc._rpc_kv_hashes(w, gate.prompt_key(tokens), len(tokens))
+
+
+def test_kv_hashes_are_layout_independent_and_per_block() -> None:
+    torch = pytest.importorskip("torch")
+    n, page, r = 80, 16, 5
+    tokens = gate.make_prompt(3 * n + 10, seed=4)  # blocks 0..2 full, block 3 partial
+    nhd, hnd = _fa_views(torch, 8 * r, page, 2, 8)
+    a, b = _hash_run(torch, nhd, tokens), _hash_run(torch, hnd, tokens)
+    assert a["layout"] == "NHD" and b["layout"] == "HND" and a["kernel_page"] == page
+    assert a["fa"] == b["fa"] and a["gdn"] == b["gdn"]
+    assert sorted(a["fa"]["fa.0"], key=int) == ["0", "1", "2", "3"]
+    assert sorted(a["gdn"]["gdn.0"], key=int) == ["1", "2"]  # full blocks, nulls skipped
+    # one byte in the 4th kernel page of logical block id 1 (prompt block 2) changes only it
+    hnd2 = hnd.clone()
+    hnd2[1 * r + 3, 1, 5, 0] += 1
+    c = _hash_run(torch, hnd2, tokens)
+    diff = [j for j in a["fa"]["fa.0"] if a["fa"]["fa.0"][j] != c["fa"]["fa.0"][j]]
+    assert diff == ["2"]
+    # slots past the prompt in the partial last block (block id 2) are not hashed
+    hnd3 = hnd.clone()
+    hnd3[2 * r + 4, 0, page - 1, 0] += 1
+    assert _hash_run(torch, hnd3, tokens)["fa"] == a["fa"]
+    # a pristine-like restore that wrote only one kernel page per block is detected
+    partial = hnd.clone()
+    partial[r + 1 : 2 * r] = 0
+    res = gate.compare_kv_hashes([a], [_hash_run(torch, partial, tokens)], hit_tokens=2 * n)
+    assert not res["match"] and res["fa_bad"] == 1
+
+
+def test_init_weights_is_deterministic() -> None:
+    torch = pytest.importorskip("torch")
+    fps = []
+    for _ in range(2):
+        w = _fake_runner(torch, None, None, 80, ([],), [])
+        out = engine_proc._rpc_init_weights(w, 1234, 0.02)
+        model = w.worker.model_runner.model
+        fps.append(out["fingerprint"])
+        assert out["params"] == sum(p.numel() for p in model.parameters())
+        norm, proj = model["input_layernorm"], model["proj"]
+        assert abs(float(norm.weight.detach().mean()) - 1.0) < 0.1  # norm scales near 1
+        assert abs(float(norm.bias.detach().mean())) < 0.1
+        assert float(proj.weight.detach().std()) < 0.1
+    assert fps[0] == fps[1]
