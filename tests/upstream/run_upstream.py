@@ -1,0 +1,708 @@
+#!/usr/bin/env python3
+"""Run LMCache 0.5.3's own test suite against an installed lmcache build; compare with pristine.
+
+The sdist's tests/, pytest.ini and benchmarks/ (not its lmcache/) are extracted into WORKDIR and
+pytest runs there with PYTHONPATH=<--lmcache DIR>. Failures are rerun on the same build to
+separate flakes; what still fails is run against --pristine. A REGRESSION is a test that failed
+every time on the build under test and passed at least once on pristine.
+
+Exit status: 0 no regression; 1 regression; 2 stale entry in known_failures.txt;
+3 the run itself could not be trusted (wrong lmcache imported, no JUnit report, ...).
+Unlisted failures that also fail on pristine, and flakes, are only warned about.
+Stdlib only: it runs on the CPU CI box and on GPU nodes with a different Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import uuid
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+KNOWN_FAILURES = HERE / "known_failures.txt"
+FOLDERS = (
+    "tests/",
+    "tests/benchmarks",
+    "tests/cli",
+    "tests/disagg",
+    "tests/lmcache_frontend",
+    "tests/sdk",
+    "tests/tools",
+    "tests/v1",
+)
+GPU_PATHS = (
+    "tests/v1/test_kv_layer_groups_manager.py",
+    "tests/v1/platform/test_gpu_cache_context.py",
+    "tests/v1/test_gpu_connector.py",
+    "tests/v1/gpu_connector",
+)
+BAD = ("failed", "error")
+TAG_VAR = "HYBRIDFA_UPSTREAM_RUN"
+GUARD_MODULE = "_hybridfa_upstream_guard"
+# pytest plugin written into WORKDIR: refuses to run unless `lmcache` resolves inside the
+# expected build, and records which lmcache the test session really imported.
+GUARD_SOURCE = """\
+import importlib.util, json, os, sys
+from pathlib import Path
+import pytest
+
+STATUS = {}
+
+def _expected():
+    return Path(os.environ["HYBRIDFA_EXPECT_LMCACHE"]).resolve()
+
+def pytest_configure(config):
+    spec = importlib.util.find_spec("lmcache")
+    where = Path(spec.origin).resolve() if spec and spec.origin else None
+    if where is None or _expected() not in where.parents:
+        raise pytest.UsageError(f"lmcache resolves to {where}, not inside {_expected()}")
+
+def pytest_sessionfinish(session, exitstatus):
+    STATUS["exitstatus"] = int(exitstatus)
+
+def pytest_unconfigure(config):
+    mod = sys.modules.get("lmcache")
+    out = os.environ.get("HYBRIDFA_RECORD_LMCACHE")
+    if out:
+        STATUS["lmcache"] = str(Path(mod.__file__).resolve()) if mod else ""
+        Path(out).write_text(json.dumps(STATUS))
+"""
+EXIT_GRACE_S = 30  # some upstream tests leave non-daemon threads: pytest then never exits
+
+
+class Abort(Exception):
+    """The run cannot be trusted (exit 3)."""
+
+
+@dataclass
+class Run:
+    """One pytest invocation: per-node-id outcome."""
+
+    label: str
+    rc: int
+    outcomes: dict[str, str]
+    seconds: float
+    lmcache_file: str
+
+
+@dataclass
+class Known:
+    pattern: str
+    reason: str
+    regex: re.Pattern[str] = field(repr=False)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------- sdist extraction
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def extract_sdist(sdist: Path, work: Path, python: str) -> str:
+    """Extract tests/, benchmarks/, pytest.ini (never lmcache/) into work; cached by sha256."""
+    digest = sha256(sdist)
+    stamp = work / ".sdist-sha256"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / GUARD_MODULE).with_suffix(".py").write_text(GUARD_SOURCE)
+    # Tests spawn `python3 -m lmcache...`: make python/python3 on PATH the --python interpreter.
+    shims = work / ".bin"
+    shims.mkdir(exist_ok=True)
+    for name in ("python", "python3"):  # a script, not a symlink: venvs must stay venvs
+        (shims / name).unlink(missing_ok=True)
+        (shims / name).write_text(f'#!/bin/sh\nexec "{Path(python).absolute()}" "$@"\n')
+        (shims / name).chmod(0o755)
+    if stamp.is_file() and stamp.read_text().strip() == digest and (work / "tests").is_dir():
+        log(f"[extract] reusing {work} (sdist sha256 {digest[:12]})")
+        return digest
+    for name in ("tests", "benchmarks", "pytest.ini", ".sdist-sha256"):
+        target = work / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    with tarfile.open(sdist) as tar:
+        members = []
+        for m in tar.getmembers():
+            parts = m.name.split("/", 1)
+            if len(parts) != 2:
+                continue
+            rel = parts[1]
+            if rel == "pytest.ini" or rel.startswith(("tests/", "benchmarks/")):
+                m.name = rel
+                members.append(m)
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(work, members=members, filter="data")
+        else:  # pragma: no cover - Python without PEP 706 backport
+            tar.extractall(work, members=members)  # noqa: S202
+    stamp.write_text(digest + "\n")
+    log(f"[extract] {sdist} -> {work} ({len(members)} entries)")
+    return digest
+
+
+def fingerprint(build: Path) -> str:
+    """Content hash of build/lmcache (a build replaced mid-run makes the run worthless)."""
+    h = hashlib.sha256()
+    for f in sorted((build / "lmcache").rglob("*")):
+        if f.is_file() and "__pycache__" not in f.parts:
+            h.update(str(f.relative_to(build)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- process hygiene
+
+
+def live_pids() -> set[int]:
+    return {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()}
+
+
+def tagged_pids(tag: str, sid: int, before: set[int]) -> list[int]:
+    """New processes (not alive before the run) carrying our env tag or in our session."""
+    found = []
+    needle = f"{TAG_VAR}={tag}".encode()
+    for pid in live_pids() - before:
+        if pid == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+            psid = os.getsid(pid)
+        except (OSError, ProcessLookupError):
+            continue
+        if stat.rsplit(b")", 1)[-1].split()[0] == b"Z":
+            continue
+        if needle in environ.split(b"\0") or psid == sid:
+            found.append(pid)
+    return found
+
+
+def describe(pid: int) -> str:
+    try:
+        cmd = (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} {cmd[:120]}"
+
+
+def kill_leftovers(tag: str, sid: int, before: set[int]) -> list[str]:
+    """Kill what a pytest run left behind: its session and anything carrying its env tag."""
+    killed: list[str] = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = tagged_pids(tag, sid, before)
+        if not pids:
+            break
+        if sig == signal.SIGTERM:
+            killed = [describe(p) for p in pids]
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and tagged_pids(tag, sid, before):
+            time.sleep(0.2)
+    return killed
+
+
+# ---------------------------------------------------------------- pytest runs and JUnit
+
+
+def node_id(work: Path, classname: str, name: str) -> str:
+    """JUnit classname/name -> pytest node id (tests/a/b.py::Class::test[param])."""
+    dotted = classname if classname else name
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        rel = "/".join(parts[:i]) + ".py"
+        if (work / rel).is_file():
+            rest = parts[i:]
+            if not classname:  # collection error / module-level skip: the file itself
+                return rel
+            return "::".join([rel, *rest, name])
+    return f"{dotted}::{name}" if classname else dotted
+
+
+def parse_junit(xml_path: Path, work: Path) -> dict[str, str]:
+    rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+    outcomes: dict[str, str] = {}
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        tags = {child.tag for child in case}
+        if "error" in tags:
+            outcome = "error"
+        elif "failure" in tags:
+            outcome = "failed"
+        elif "skipped" in tags:
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        nid = node_id(work, case.get("classname", ""), case.get("name", ""))
+        if rank[outcome] >= rank.get(outcomes.get(nid, "passed"), 0):
+            outcomes[nid] = outcome
+    return outcomes
+
+
+def outcome_for(nid: str, outcomes: dict[str, str]) -> str:
+    """Outcome of nid in a run. A bare file id stands for a collection error: if this run
+    collected tests from that file instead, collection passed."""
+    if nid in outcomes:
+        return outcomes[nid]
+    if "::" not in nid and any(n.startswith(nid + "::") for n in outcomes):
+        return "passed"
+    return "missing"
+
+
+def build_env(build: Path, work: Path, tag: str, record: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    old = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(build) + (os.pathsep + old if old else "")
+    env["PATH"] = os.pathsep.join([str(work / ".bin"), str(build / "bin"), env.get("PATH", "")])
+    env[TAG_VAR] = tag
+    env["HYBRIDFA_EXPECT_LMCACHE"] = str(build)
+    env["HYBRIDFA_RECORD_LMCACHE"] = str(record)
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def preflight(python: str, build: Path, work: Path) -> str:
+    """`import lmcache` from WORKDIR (cwd on sys.path, as `python -m pytest` does) -> build."""
+    if (work / "lmcache").exists():
+        raise Abort(f"[preflight] {work}/lmcache exists and would shadow the build")
+    env = build_env(build, work, "preflight", work / ".preflight")
+    code = "import lmcache, pathlib; print(pathlib.Path(lmcache.__file__).resolve())"
+    proc = subprocess.run(
+        [python, "-c", code], cwd=work, env=env, capture_output=True, text=True, check=False
+    )
+    where = proc.stdout.strip()
+    if proc.returncode != 0 or build.resolve() not in Path(where or "/").parents:
+        raise Abort(
+            f"[preflight] import lmcache -> {where or proc.stderr.strip()[-400:]!r}, "
+            f"expected inside {build}"
+        )
+    log(f"[preflight] {python}: lmcache -> {where}")
+    return where
+
+
+def read_record(record: Path) -> dict[str, object]:
+    try:
+        data = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def killpg(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def wait_pytest(proc: subprocess.Popen[bytes], record: Path, label: str, wall: int) -> int:
+    """Wait for pytest. Once it has finished its session (the guard wrote the record) it gets
+    EXIT_GRACE_S to exit; a process hanging on threads the tests left is then killed and its
+    recorded exit status used."""
+    deadline = time.monotonic() + wall
+    finished_at: float | None = None
+    while (rc := proc.poll()) is None:
+        now = time.monotonic()
+        if finished_at is None and record.is_file():
+            finished_at = now
+        if finished_at is not None and now - finished_at > EXIT_GRACE_S:
+            log(f"[{label}] pytest finished but does not exit (threads left by tests): killing")
+            killpg(proc)
+            status = read_record(record).get("exitstatus")
+            return status if isinstance(status, int) else 1
+        if now > deadline:
+            log(f"[{label}] wall timeout {wall}s: killing the run")
+            killpg(proc)
+            return -9
+        time.sleep(1)
+    return rc
+
+
+def run_pytest(
+    python: str, build: Path, work: Path, label: str, targets: list[str], wall_timeout: int
+) -> Run:
+    logs = work / "logs"
+    logs.mkdir(exist_ok=True)
+    xml = logs / f"{label}.xml"
+    record = logs / f"{label}.record.json"
+    for stale in (xml, record):
+        stale.unlink(missing_ok=True)
+    tag = uuid.uuid4().hex
+    cmd = [
+        python, "-m", "pytest", "-p", "no:cacheprovider", "-p", GUARD_MODULE,
+        "-o", "log_cli=false", "--timeout=120", "--continue-on-collection-errors",
+        "-q", f"--junitxml={xml}", *targets,
+    ]  # fmt: skip
+    before = live_pids()
+    start = time.monotonic()
+    log(f"[{label}] {len(targets)} target(s) against {build}; log {logs / (label + '.log')}")
+    with (logs / f"{label}.log").open("w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=work, env=build_env(build, work, tag, record),
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        rc = wait_pytest(proc, record, label, wall_timeout)
+    seconds = time.monotonic() - start
+    for line in kill_leftovers(tag, proc.pid, before):
+        log(f"[{label}] killed leftover {line}")
+    try:
+        outcomes = parse_junit(xml, work) if xml.is_file() else {}
+    except ET.ParseError as exc:
+        log(f"[{label}] unreadable JUnit report: {exc}")
+        outcomes = {}
+    lmcache_file = str(read_record(record).get("lmcache", ""))
+    counts = {
+        k: sum(1 for v in outcomes.values() if v == k)
+        for k in ("passed", "failed", "error", "skipped")
+    }
+    log(f"[{label}] rc={rc} {seconds:.0f}s {counts} lmcache={lmcache_file or '?'}")
+    return Run(label, rc, outcomes, seconds, lmcache_file)
+
+
+def check_run(run: Run, build: Path) -> None:
+    """A run we cannot trust is an infrastructure error (exit 3), never a pass."""
+    if run.rc in (2, 3, 4) or not run.outcomes:
+        raise Abort(f"[{run.label}] pytest rc={run.rc}, {len(run.outcomes)} results: see log")
+    if run.lmcache_file and build.resolve() not in Path(run.lmcache_file).parents:
+        raise Abort(f"[{run.label}] imported lmcache from {run.lmcache_file}, not {build}")
+
+
+def rerun(
+    python: str, build: Path, work: Path, label: str, ids: list[str], times: int, wall: int
+) -> tuple[dict[str, list[str]], list[Run]]:
+    """Rerun ids up to `times` times, dropping each id once it passes. -> id: outcomes."""
+    history: dict[str, list[str]] = {i: [] for i in ids}
+    runs: list[Run] = []
+    pending = list(ids)
+    for attempt in range(1, times + 1):
+        if not pending:
+            break
+        run = run_pytest(python, build, work, f"{label}-{attempt}", pending, wall)
+        if run.rc == 4 and len(pending) > 1:  # a node id pytest cannot resolve: go one by one
+            merged: dict[str, str] = {}
+            for n, nid in enumerate(pending):
+                one = run_pytest(python, build, work, f"{label}-{attempt}.{n}", [nid], wall)
+                merged.update(one.outcomes)
+                runs.append(one)
+            if not merged:
+                raise Abort(f"[{label}] no rerun produced any result: see logs")
+            run = Run(run.label, 1, merged, run.seconds, run.lmcache_file)
+        elif run.rc != 4:
+            check_run(run, build)
+        runs.append(run)
+        still = []
+        for nid in pending:
+            got = outcome_for(nid, run.outcomes)
+            history[nid].append(got)
+            if got not in ("passed", "skipped"):
+                still.append(nid)
+        pending = still
+    return history, runs
+
+
+# ---------------------------------------------------------------- known failures, report
+
+
+def load_known(path: Path) -> list[Known]:
+    known = []
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        pattern, sep, reason = (s.strip() for s in line.partition("|"))
+        if not sep or not pattern or not reason or "|" in reason:
+            raise Abort(f"{path}:{n}: want '<test id pattern> | <one reason>'")
+        if pattern.strip("*:/. ") in ("", "tests"):
+            raise Abort(f"{path}:{n}: blanket pattern {pattern!r} not allowed")
+        regex = re.compile(".*".join(re.escape(p) for p in pattern.split("*")) + r"\Z")
+        known.append(Known(pattern, reason, regex))
+    return known
+
+
+def match_known(nid: str, known: list[Known]) -> Known | None:
+    return next((k for k in known if k.regex.match(nid)), None)
+
+
+def in_scope(pattern: str, selected: list[str]) -> bool:
+    """Whether the pattern's file was run whole (selected node ids are not checked)."""
+    path = pattern.split("::", 1)[0]
+    dirs = [s.rstrip("/") for s in selected if "::" not in s]
+    return any(path == d or path.startswith(d + "/") for d in dirs)
+
+
+def folder_of(nid: str) -> str:
+    parts = nid.split("::", 1)[0].split("/")
+    return "tests/" if len(parts) <= 2 else "/".join(parts[:2])
+
+
+def tally(outcomes: dict[str, str]) -> dict[str, dict[str, int]]:
+    table = {f: {"passed": 0, "failed": 0, "error": 0, "skipped": 0} for f in FOLDERS}
+    for nid, outcome in outcomes.items():
+        row = table.setdefault(folder_of(nid), {"passed": 0, "failed": 0, "error": 0, "skipped": 0})
+        row[outcome if outcome in row else "error"] += 1
+    table["total"] = {
+        k: sum(r[k] for r in table.values()) for k in ("passed", "failed", "error", "skipped")
+    }
+    return table
+
+
+def markdown(columns: dict[str, dict[str, dict[str, int]]]) -> str:
+    names = list(columns)
+    head = "| folder | " + " | ".join(f"{n} pass/fail/err/skip" for n in names) + " |"
+    lines = [head, "|---" * (len(names) + 1) + "|"]
+    folders = [f for f in next(iter(columns.values())) if f != "total"] + ["total"]
+    for f in folders:
+        cells = []
+        for n in names:
+            r = columns[n].get(f, {"passed": 0, "failed": 0, "error": 0, "skipped": 0})
+            cells.append(f"{r['passed']}/{r['failed']}/{r['error']}/{r['skipped']}")
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def final_outcome(first: str, history: list[str]) -> str:
+    """passed if it ever passed, else the first failing outcome."""
+    if first not in BAD:
+        return first
+    return "passed" if any(h in ("passed", "skipped") for h in history) else first
+
+
+# ---------------------------------------------------------------- modes
+
+
+def compare_with_pristine(
+    args: argparse.Namespace, persistent: list[str]
+) -> tuple[dict[str, list[str]], dict[str, list[str]], list[Run]]:
+    """Run persistent failures on pristine (up to 3 rounds). Each test that passes there is
+    run again on the build under test straight away (up to 2 times), so both builds are
+    compared under the same machine load: a shared CPU turns timing races into false alarms.
+    """
+    pristine: dict[str, list[str]] = {n: [] for n in persistent}
+    confirm: dict[str, list[str]] = {}
+    runs: list[Run] = []
+    pending = list(persistent)
+    for round_no in range(1, 4):
+        if not pending:
+            break
+        hist, r = rerun(
+            args.python, args.pristine, args.work, f"pristine-{round_no}", pending, 1,
+            args.wall_timeout,
+        )  # fmt: skip
+        runs += r
+        for nid, outcomes in hist.items():
+            pristine[nid] += outcomes
+        passed = [n for n in pending if "passed" in hist[n]]
+        pending = [n for n in pending if n not in passed]
+        if passed:
+            chist, r = rerun(
+                args.python, args.lmcache, args.work, f"confirm-{round_no}", passed, 2,
+                args.wall_timeout,
+            )  # fmt: skip
+            runs += r
+            confirm.update(chist)
+    return pristine, confirm, runs
+
+
+def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, object]) -> int:
+    known = load_known(args.known_failures)
+    first = run_pytest(args.python, args.lmcache, args.work, "patched", targets, args.wall_timeout)
+    check_run(first, args.lmcache)
+    failing = sorted(n for n, o in first.outcomes.items() if o in BAD)
+    patched_hist, patched_runs = rerun(
+        args.python, args.lmcache, args.work, "patched-rerun", failing, 2, args.wall_timeout
+    )
+    flaky = sorted(n for n, h in patched_hist.items() if any(o in ("passed", "skipped") for o in h))
+    persistent = [n for n in failing if n not in flaky]
+    pristine_hist, confirm_hist, pristine_runs = compare_with_pristine(args, persistent)
+    for nid, hist in confirm_hist.items():
+        patched_hist[nid].extend(hist)
+    ok = ("passed", "skipped")
+    regressions, pristine_fail = [], []
+    for nid in persistent:
+        if "passed" not in pristine_hist[nid]:
+            pristine_fail.append(nid)
+        elif any(o in ok for o in confirm_hist.get(nid, [])):
+            flaky.append(nid)  # passed on patched too, when run right after pristine
+        else:
+            regressions.append(nid)
+    flaky.sort()
+    unlisted = [n for n in pristine_fail if match_known(n, known) is None]
+    flaky_unlisted = [n for n in flaky if match_known(n, known) is None]
+    scope = targets if args.select else ["tests"]
+    stale = [
+        k.pattern for k in known
+        if in_scope(k.pattern, scope) and not any(k.regex.match(n) for n in first.outcomes)
+    ]  # fmt: skip
+
+    final = {n: final_outcome(o, patched_hist.get(n, [])) for n, o in first.outcomes.items()}
+    pristine_final = {
+        n: ("passed" if "passed" in h else first.outcomes[n]) for n, h in pristine_hist.items()
+    }
+    columns = {
+        "patched (1st run)": tally(first.outcomes),
+        "patched (after reruns)": tally(final),
+        "pristine (rerun of persistent failures)": tally(pristine_final),
+    }
+
+    def explain(nid: str) -> dict[str, object]:
+        k = match_known(nid, known)
+        return {
+            "id": nid,
+            "patched": [first.outcomes[nid], *patched_hist.get(nid, [])],
+            "pristine": pristine_hist.get(nid, []),
+            "known_reason": k.reason if k else None,
+        }
+
+    summary.update(
+        mode="cpu",
+        lmcache_imported=first.lmcache_file,
+        seconds={r.label: round(r.seconds, 1) for r in [first, *patched_runs, *pristine_runs]},
+        counts=columns,
+        regressions=[explain(n) for n in regressions],
+        fails_on_pristine_too=[explain(n) for n in pristine_fail],
+        unlisted_pristine_failures=unlisted,
+        flaky_on_patched=[explain(n) for n in flaky],
+        flaky_unlisted=flaky_unlisted,
+        stale_known_failures=stale,
+    )
+    log("\n" + markdown(columns) + "\n")
+    for n in pristine_fail:
+        k = match_known(n, known)
+        log(f"fails on pristine too: {n}  [{k.reason if k else 'NOT LISTED'}]")
+    for n in flaky:
+        k = match_known(n, known)
+        log(f"flaky on patched (passed on rerun): {n}  [{k.reason if k else 'NOT LISTED'}]")
+    for n in unlisted:
+        log(
+            f"WARNING: {n} fails on patched AND pristine but is not in {args.known_failures.name}:"
+            " add it with a reason"
+        )
+    for p in stale:
+        log(f"ERROR: known-failures entry matches no collected test: {p}")
+    for n in regressions:
+        log(f"REGRESSION: {n} fails on the build under test every time, passes on pristine")
+    if regressions:
+        return 1
+    return 2 if stale else 0
+
+
+def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, object]) -> int:
+    builds = {"patched": args.lmcache, "pristine": args.pristine}
+    finals: dict[str, dict[str, str]] = {}
+    columns: dict[str, dict[str, dict[str, int]]] = {}
+    seconds: dict[str, float] = {}
+    for label, build in builds.items():
+        preflight(args.python, build, args.work)
+        first = run_pytest(
+            args.python, build, args.work, f"gpu-{label}", targets, args.wall_timeout
+        )
+        check_run(first, build)
+        failing = sorted(n for n, o in first.outcomes.items() if o in BAD)
+        hist, runs = rerun(
+            args.python, build, args.work, f"gpu-{label}-rerun", failing, 1, args.wall_timeout
+        )
+        finals[label] = {n: final_outcome(o, hist.get(n, [])) for n, o in first.outcomes.items()}
+        columns[f"{label} (1st run)"] = tally(first.outcomes)
+        columns[f"{label} (after rerun)"] = tally(finals[label])
+        seconds.update({r.label: round(r.seconds, 1) for r in [first, *runs]})
+    patched, pristine = finals["patched"], finals["pristine"]
+    on_pristine = {n: outcome_for(n, pristine) for n in patched}
+    regressions = sorted(n for n, o in patched.items() if o in BAD and on_pristine[n] == "passed")
+    both = sorted(n for n, o in patched.items() if o in BAD and on_pristine[n] in BAD)
+    only_skipped = sorted(
+        n for n, o in patched.items() if o == "skipped" and on_pristine[n] == "passed"
+    )
+    summary.update(
+        mode="gpu", seconds=seconds, counts=columns, regressions=regressions,
+        fails_on_pristine_too=both, skipped_on_patched_passed_on_pristine=only_skipped,
+    )  # fmt: skip
+    log("\n" + markdown(columns) + "\n")
+    for n in both:
+        log(f"fails on pristine too: {n}")
+    for n in only_skipped:
+        log(f"WARNING: skipped on patched but passes on pristine: {n}")
+    for n in regressions:
+        log(f"REGRESSION: {n} fails on the build under test, passes on pristine")
+    return 1 if regressions else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--python", required=True, help="interpreter with lmcache's deps + pytest")
+    ap.add_argument("--sdist", required=True, type=Path, help="lmcache-0.5.3.tar.gz")
+    ap.add_argument("--lmcache", required=True, type=Path, help="dir holding the build under test")
+    ap.add_argument("--pristine", required=True, type=Path, help="dir holding pristine 0.5.3")
+    ap.add_argument("--work", required=True, type=Path, help="scratch dir for the sdist's tests")
+    ap.add_argument("--out", type=Path, default=Path("results/upstream-cpu.json"))
+    ap.add_argument("--gpu", action="store_true", help="run the CUDA-only files on both builds")
+    ap.add_argument("--select", nargs="+", metavar="PATH", help="test paths/ids to run instead")
+    ap.add_argument("--known-failures", type=Path, default=KNOWN_FAILURES)
+    ap.add_argument("--wall-timeout", type=int, default=3600, help="seconds per pytest run")
+    args = ap.parse_args(argv)
+    args.python = shutil.which(args.python) or args.python
+    args.lmcache, args.pristine, args.work = (
+        p.resolve() for p in (args.lmcache, args.pristine, args.work)
+    )
+    try:
+        return execute(args)
+    except Abort as exc:
+        log(f"ABORT: {exc}")
+        return 3
+
+
+def execute(args: argparse.Namespace) -> int:
+    for p in (args.lmcache, args.pristine):
+        if not (p / "lmcache" / "__init__.py").is_file():
+            raise Abort(f"{p} holds no lmcache/ package")
+    started = time.monotonic()
+    digest = extract_sdist(args.sdist, args.work, args.python)
+    targets = list(args.select or (GPU_PATHS if args.gpu else ("tests",)))
+    summary: dict[str, object] = {
+        "sdist": str(args.sdist), "sdist_sha256": digest, "python": args.python,
+        "lmcache": str(args.lmcache), "pristine": str(args.pristine), "targets": targets,
+    }  # fmt: skip
+    prints = {str(b): fingerprint(b) for b in (args.lmcache, args.pristine)}
+    summary["build_sha256"] = prints
+    if args.gpu:
+        rc = gpu_mode(args, targets, summary)
+    else:
+        preflight(args.python, args.lmcache, args.work)
+        preflight(args.python, args.pristine, args.work)
+        rc = cpu_mode(args, targets, summary)
+    for build, digest_before in prints.items():
+        if fingerprint(Path(build)) != digest_before:
+            raise Abort(f"{build} changed during the run: results are meaningless, rerun")
+    summary["elapsed_s"] = round(time.monotonic() - started, 1)
+    summary["exit_status"] = rc
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"summary: {args.out} ({summary['elapsed_s']}s), exit {rc}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
