@@ -115,8 +115,10 @@ def build_hybrid_kv(
     return kv
 
 
-def build_fa_only_kv(page: int, layout: str, num_blocks: int = 12, seed: int = 0) -> HybridKV:
-    """A non-hybrid model: 2 full-attention layers, block == kernel page, no sharing."""
+def build_fa_only_kv(
+    page: int, layout: str, num_blocks: int = 12, seed: int = 0, num_layers: int = 2
+) -> HybridKV:
+    """A non-hybrid model: full-attention layers only, block == kernel page, no sharing."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -128,7 +130,7 @@ def build_fa_only_kv(page: int, layout: str, num_blocks: int = 12, seed: int = 0
     spec = FullAttentionSpec(
         block_size=page, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=FA_DTYPE
     )
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
     tensors = [KVCacheTensor(size=kv.page_bytes * num_blocks, shared_by=[n]) for n in names]
     kv.config = KVCacheConfig(
         num_blocks=num_blocks,
@@ -137,7 +139,7 @@ def build_fa_only_kv(page: int, layout: str, num_blocks: int = 12, seed: int = 0
     )
     gen = torch.Generator().manual_seed(seed)
     kv.raw = [torch.randint(-128, 128, (t.size,), dtype=torch.int8, generator=gen) for t in tensors]
-    kv.raw_index = {0: 0, 1: 1}
+    kv.raw_index = {i: i for i in range(num_layers)}
     kv.kv_caches = {n: _fa_view(r, kv) for n, r in zip(names, kv.raw, strict=True)}
     return kv
 
