@@ -188,7 +188,7 @@ def fetch_sdist(pins: Pins, local: Path | None = None) -> Path:
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
         _pip_download(
-            ["--no-binary", ":all:", "--no-build-isolation", f"{pins.package}=={pins.version}"],
+            ["--no-binary", pins.package, f"{pins.package}=={pins.version}"],
             Path(tmp),
         )
         got = Path(tmp) / pins.sdist["filename"]
