@@ -52,6 +52,15 @@ def _chunk_sources(kv: HybridKV, ids: list[list[int]], chunk: int, blocks: int) 
     return parts
 
 
+def _snapshot(kv: HybridKV, layers: int = NUM_LAYERS) -> dict[tuple[int, int], torch.Tensor]:
+    """A copy of every (layer, logical block) the engine holds."""
+    return {
+        (layer, b): kv.block_bytes(layer, b).clone()
+        for layer in range(layers)
+        for b in range(kv.num_blocks)
+    }
+
+
 def _stored_objects(server) -> list[torch.Tensor]:
     objs = server.ctx.storage_manager.objects
     return [objs[k].raw_tensor for k in sorted(objs, key=lambda k: k[2])]
@@ -87,11 +96,7 @@ def test_round_trip_is_bitwise_and_touches_only_destination_blocks(n, page, layo
     server = start_server(kv, chunk_size=n, monkeypatch=monkeypatch)
     assert server.store("A", 2 * n, STORE_IDS)
     # Layers 0-3 share raw tensor 0 and layers 4-7 raw tensor 1 (vLLM's shared_by).
-    before = {
-        (layer, b): kv.block_bytes(layer, b).clone()
-        for layer in range(NUM_LAYERS)
-        for b in range(kv.num_blocks)
-    }
+    before = _snapshot(kv)
 
     assert server.retrieve("A", 2 * n, RESTORE_IDS)
 
@@ -118,11 +123,7 @@ def test_chunk_of_two_blocks_round_trips(n, page, layout, monkeypatch):
     assert server.store("A", 2 * n, STORE_IDS)
     (obj,) = _stored_objects(server)
     assert torch.equal(_sorted_values([obj]), _sorted_values(_chunk_sources(kv, STORE_IDS, 0, 2)))
-    sources = {
-        (layer, b): kv.block_bytes(layer, b).clone()
-        for layer in range(NUM_LAYERS)
-        for b in range(kv.num_blocks)
-    }
+    sources = _snapshot(kv)
     assert server.retrieve("A", 2 * n, RESTORE_IDS)
     for layer in range(NUM_LAYERS):
         group = 3 if layer in FA_LAYERS else layer % 4
@@ -195,11 +196,7 @@ def test_gdn_blocks_survive_the_fa_restore(n, page, layout, monkeypatch):
     kv = build_hybrid_kv(n, page, layout)
     server = start_server(kv, chunk_size=n, monkeypatch=monkeypatch)
     assert server.store("A", 2 * n, STORE_IDS)
-    sources = {
-        (layer, b): kv.block_bytes(layer, b).clone()
-        for layer in range(NUM_LAYERS)
-        for b in range(kv.num_blocks)
-    }
+    sources = _snapshot(kv)
     assert server.retrieve("A", 2 * n, RESTORE_IDS)
     for layer in range(NUM_LAYERS):
         if layer in FA_LAYERS:
@@ -215,9 +212,7 @@ def test_non_hybrid_model_round_trips_as_before(page, layout, monkeypatch):
     server = start_server(kv, chunk_size=2 * page, monkeypatch=monkeypatch)
     ids = [[1, 2, 3, 4]]
     assert server.store("A", 4 * page, ids)
-    sources = {
-        (layer, b): kv.block_bytes(layer, b).clone() for layer in range(2) for b in (1, 2, 3, 4)
-    }
+    sources = _snapshot(kv, layers=2)
     assert server.retrieve("A", 4 * page, [[9, 5, 11, 7]])
     for layer in range(2):
         for src, dst in zip(ids[0], [9, 5, 11, 7], strict=True):
