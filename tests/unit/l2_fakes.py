@@ -1,0 +1,73 @@
+"""Drive LMCache's real fs L2 adapter (FSL2Adapter) synchronously from tests.
+
+The only fake is the host buffer: an object exposing ``byte_array``, which is all the
+adapter's store and load paths touch of a MemoryObj.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TIMEOUT_S = 5.0
+
+
+class Buf:
+    """A host object: the bytes the fs adapter writes from or loads into."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = bytearray(data)
+
+    @property
+    def byte_array(self) -> memoryview:
+        return memoryview(self.data)
+
+
+def layout_nbytes(layout: Any) -> int:
+    return sum(
+        torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+        for s, d in zip(layout.shapes, layout.dtypes, strict=True)
+    )
+
+
+def open_adapter(base: Path) -> Any:
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import (
+        FSL2Adapter,
+        FSL2AdapterConfig,
+    )
+
+    return FSL2Adapter(FSL2AdapterConfig(base_path=str(base)))
+
+
+def _wait(poll: Any, what: str) -> Any:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        result = poll()
+        if result is not None:
+            return result
+        time.sleep(0.01)
+    raise RuntimeError(f"fs L2 {what} did not complete within {TIMEOUT_S}s")
+
+
+def store(adapter: Any, keys: list[Any], payloads: list[bytes]) -> None:
+    task = adapter.submit_store_task(keys, [Buf(p) for p in payloads])
+    result = _wait(lambda: adapter.pop_completed_store_tasks().get(task), "store")
+    if int(result) < 0:
+        raise RuntimeError("fs L2 store failed")
+
+
+def lookup(adapter: Any, keys: list[Any], layouts: dict[int, Any]) -> list[bool]:
+    task = adapter.submit_lookup_and_lock_task(keys, layouts)
+    bitmap = _wait(lambda: adapter.query_lookup_and_lock_result(task), "lookup")
+    return [bitmap.test(i) for i in range(len(keys))]
+
+
+def load(adapter: Any, keys: list[Any], nbytes: int) -> tuple[list[bool], list[Buf]]:
+    """Load each key into a fresh zeroed ``nbytes`` buffer; (hit flags, buffers)."""
+    bufs = [Buf(bytes(nbytes)) for _ in keys]
+    task = adapter.submit_load_task(keys, bufs)
+    bitmap = _wait(lambda: adapter.query_load_result(task), "load")
+    return [bitmap.test(i) for i in range(len(keys))], bufs
