@@ -142,3 +142,17 @@ def test_full_attention_only_tracks_reported_deltas(
         results.append(result)
     stored = [(op.start, op.end) for result in results for op in result.stores]
     assert stored[0][0] == 0 and stored[-1][1] == sum(steps)
+
+
+@pytest.mark.fix
+@pytest.mark.parametrize("chunk_blocks", [1, 2])
+def test_one_block_per_step_stores_every_chunk(
+    monkeypatch: pytest.MonkeyPatch, chunk_blocks: int
+) -> None:
+    """0.5.3's validated config (one block per prefill step) loses no chunk to the resync."""
+    driver = _driver(monkeypatch, 0, chunk=chunk_blocks * BLOCK)
+    driver.add_request("r", list(range(8 * BLOCK)))
+    results = _run(driver, "r", [BLOCK] * 8)
+    stored = [(op.start, op.end) for result in results for op in result.stores]
+    covered = [t for start, end in stored for t in range(start, end, BLOCK)]
+    assert covered == list(range(0, 8 * BLOCK, BLOCK)), f"stored chunks: {stored}"
