@@ -219,6 +219,7 @@ def _output(o: Any) -> dict[str, Any]:
         "tokens": list(c.token_ids),
         "logprobs": steps,
         "num_cached_tokens": getattr(o, "num_cached_tokens", None),
+        "metrics": vars(o.metrics) if getattr(o, "metrics", None) is not None else None,
     }
 
 
@@ -240,11 +241,13 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
         "enable_prefix_caching": True,
         "mamba_cache_mode": "align",
-        "attention_config": {"backend": "FLASHINFER"},
+        "attention_config": {"backend": spec.get("attention_backend", "FLASHINFER")},
         "tensor_parallel_size": spec["tensor_parallel_size"],
     }
     if spec.get("language_model_only"):
         kw["language_model_only"] = True
+    if spec.get("log_stats"):  # RequestOutput.metrics (TTFT) for bench/gpu_restore.py
+        kw["disable_log_stats"] = False
     lmc = spec.get("lmcache")
     if lmc:
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -263,7 +266,10 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
         flush=True,
     )
 
-    inits = llm.collective_rpc(_rpc_init_weights, args=(spec["weight_seed"], spec["weight_std"]))
+    inits = [{"fingerprint": "dummy"}]  # weight_std null: keep the dummy weights (timing runs)
+    if spec.get("weight_std") is not None:
+        args = (spec["weight_seed"], spec["weight_std"])
+        inits = llm.collective_rpc(_rpc_init_weights, args=args)
     result["weights"] = inits
     result["weights_fingerprint"] = ",".join(i["fingerprint"] for i in inits)
     result["model_runner"] = llm.collective_rpc(_rpc_install_block_hook)[0]
@@ -289,7 +295,10 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
         flush=True,
     )
 
-    hashes = llm.collective_rpc(_rpc_kv_hashes, args=(spec["prompt_key"], len(spec["prompt"])))
+    hashes = [{"block_size": vc.cache_config.block_size}]  # kv_hashes false: timing runs
+    if spec.get("kv_hashes", True):
+        args = (spec["prompt_key"], len(spec["prompt"]))
+        hashes = llm.collective_rpc(_rpc_kv_hashes, args=args)
     result["kv_hashes"] = hashes
     h0 = hashes[0]
     n = h0.get("block_size")

@@ -766,6 +766,7 @@ def start_server(
     l2_dir: Path,
     log: Path,
     timeout: float = 180.0,
+    l1_size_gb: float = 4,
 ) -> subprocess.Popen[Any]:
     cmd = [
         py,
@@ -775,7 +776,7 @@ def start_server(
         "--chunk-size",
         str(chunk),
         "--l1-size-gb",
-        "4",
+        f"{l1_size_gb:g}",
         "--eviction-policy",
         "LRU",
         "--port",
