@@ -29,7 +29,6 @@ def _wheels(args: argparse.Namespace) -> list[Path]:
 
 
 def _install(args: argparse.Namespace) -> int:
-    args.all_tags = False
     (wheel,) = _wheels(args)
     extra = [a for a in args.pip_args if a != "--"]
     pip = [sys.executable, "-m", "pip", "install"]
@@ -47,10 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         ("install", "build the wheel for this interpreter and pip-install it"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument(
-            "--tag", help="CPython tag to build for, e.g. cp312 (default: this interpreter)"
-        )
-        p.add_argument("--all-tags", action="store_true", help="build every pinned tag")
+        if name == "wheel":
+            p.add_argument(
+                "--tag", help="CPython tag to build for, e.g. cp312 (default: this interpreter)"
+            )
+            p.add_argument("--all-tags", action="store_true", help="build every pinned tag")
+        else:  # install: always this interpreter's tag
+            p.set_defaults(tag=None, all_tags=False)
         p.add_argument(
             "--base-wheel",
             type=Path,
