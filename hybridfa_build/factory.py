@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,8 +230,6 @@ def _date_time() -> tuple[int, int, int, int, int, int]:
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if not epoch:
         return ZIP_EPOCH
-    import time
-
     stamp = time.gmtime(max(int(epoch), 315532800))
     return stamp[:6]
 
