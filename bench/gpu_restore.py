@@ -1298,6 +1298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep_page_cache=a.keep_page_cache,
     )
     copies = [a.out / a.results.name] if a.out else []
+    gate.install_cleanup_handler()
     res = run_steps(steps, node, a.results, copies, a.max_seconds, a.redo, a.disk_probe_gib)
     run = res["runs"][-1]
     if run.get("error"):

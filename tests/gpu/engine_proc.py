@@ -244,6 +244,8 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
         "attention_config": {"backend": spec.get("attention_backend", "FLASHINFER")},
         "tensor_parallel_size": spec["tensor_parallel_size"],
     }
+    if spec.get("kv_cache_memory_bytes"):
+        kw["kv_cache_memory_bytes"] = int(spec["kv_cache_memory_bytes"])
     if spec.get("language_model_only"):
         kw["language_model_only"] = True
     if spec.get("log_stats"):  # RequestOutput.metrics (TTFT) for bench/gpu_restore.py

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import fcntl
 import json
 import math
 import os
@@ -43,8 +44,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -261,8 +265,15 @@ def model_config_dict(m: ModelSpec) -> dict[str, Any]:
 def write_model_dir(m: ModelSpec, root: Path) -> Path:
     d = Path(root) / m.name
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(model_config_dict(m), indent=1) + "\n")
+    atomic_write(d / "config.json", json.dumps(model_config_dict(m), indent=1) + "\n")
     return d
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Concurrent cases (and the other arm's process) may read this file at any time."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------
@@ -384,6 +395,19 @@ def all_matrix(tp: int = 1) -> list[Case]:
     return out
 
 
+def core_matrix(tp: int = 1) -> list[Case]:
+    """Six cases: each ratio with both layouts, both chunk sizes, exact and offset
+    prompts, and both model families."""
+    return [
+        Case("olmo-r5", "NHD", 1, False, tp),
+        Case("qwen35-r5", "HND", 2, True, tp),
+        Case("qwen35-r17", "HND", 2, False, tp),
+        Case("olmo-r17", "NHD", 1, True, tp),
+        Case("olmo-r25", "NHD", 2, True, tp),
+        Case("qwen35-r25", "HND", 1, False, tp),
+    ]
+
+
 def quick_matrix(tp: int = 1) -> list[Case]:
     """Three cases: the section-M repro, the 0.8B-like ratio 17 (HND, 2N), ratio 25 full hit."""
     return [
@@ -394,8 +418,8 @@ def quick_matrix(tp: int = 1) -> list[Case]:
 
 
 def select_cases(selector: str, tp: int = 1) -> list[Case]:
-    """quick | all | full | comma-separated case ids or regexes over case ids."""
-    named = {"quick": quick_matrix, "all": all_matrix, "full": full_matrix}
+    """quick | core | all | full | comma-separated case ids or regexes over case ids."""
+    named = {"quick": quick_matrix, "core": core_matrix, "all": all_matrix, "full": full_matrix}
     if selector in named:
         return named[selector](tp)
     pool = full_matrix(tp)
@@ -731,6 +755,34 @@ def child_env(lmcache_dir: Path | None, layout: str | None) -> dict[str, str]:
     return env
 
 
+# Process groups we started and have not reaped: killed on SIGTERM (``timeout`` on the
+# node), since start_new_session keeps them out of our own group.
+LIVE_GROUPS: set[int] = set()
+
+
+def spawn(cmd: list[str], log: Any, env: dict[str, str]) -> subprocess.Popen[Any]:
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    LIVE_GROUPS.add(proc.pid)
+    return proc
+
+
+def install_cleanup_handler() -> None:
+    """On SIGTERM/SIGINT kill every engine and server group still running, then exit 124."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        for pgid in list(LIVE_GROUPS):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
 def kill_group(proc: subprocess.Popen[Any]) -> None:
     """SIGKILL the process group we created with start_new_session=True (pgid == pid).
 
@@ -745,6 +797,7 @@ def kill_group(proc: subprocess.Popen[Any]) -> None:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         pass
+    LIVE_GROUPS.discard(proc.pid)
 
 
 def tail(path: Path, n: int = 40) -> str:
@@ -787,9 +840,7 @@ def start_server(
         json.dumps({"type": "fs", "base_path": str(l2_dir)}),
     ]
     fh = open(log, "w")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(
-        cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
+    proc = spawn(cmd, fh, env)
     fh.close()
     ready = re.compile(r"running|started|listening|ready", re.I)
     deadline = time.monotonic() + timeout
@@ -819,13 +870,7 @@ def run_engine(
     out_path.unlink(missing_ok=True)
     t0 = time.monotonic()
     with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            [py, str(ENGINE_PROC), str(spec_path), str(out_path)],
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        proc = spawn([py, str(ENGINE_PROC), str(spec_path), str(out_path)], fh, env)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -900,6 +945,10 @@ class RunConfig:
     out: Path
     python: str = sys.executable
     gpu_memory_utilization: float = 0.25
+    # Fixed KV cache size: vLLM then skips its memory profiling, which asserts that no
+    # other process freed GPU memory meanwhile (concurrent cases do).
+    kv_cache_memory_bytes: int | None = None
+    jobs: int = 1
     engine_timeout: float = 420.0
     keep_l2: bool = False
     work: Path = field(default_factory=lambda: Path("/tmp/hybridfa-gate"))
@@ -928,6 +977,8 @@ def engine_spec(
         "weight_std": WEIGHT_STD,
         "layout": case.layout,
     }
+    if rc.kv_cache_memory_bytes:
+        spec["kv_cache_memory_bytes"] = rc.kv_cache_memory_bytes
     if port is not None:
         spec["lmcache"] = {
             "module_path": CONNECTOR_MODULE,
@@ -939,9 +990,7 @@ def engine_spec(
     return spec
 
 
-def run_case(
-    case: Case, rc: RunConfig, cold_cache: dict[tuple[Any, ...], dict[str, Any]]
-) -> dict[str, Any]:
+def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     t0 = time.monotonic()
     g = case.geometry
     wd = rc.work / rc.arm / case.case_id
@@ -963,18 +1012,17 @@ def run_case(
         "expected_chunk_bytes": expected_chunk_bytes(case.spec, case.chunk, case.tp),
     }
     key = (case.model, case.prompt_tokens, case.layout, case.tp)
-    cold = cold_cache.get(key)
-    if cold is None:
-        cold = run_engine(
+    cold = cold_runs.get_or_run(
+        key,
+        lambda: run_engine(
             rc.python,
             env,
             engine_spec(case, "cold", model_dir, rc, None, None),
             wd,
             "cold",
             rc.engine_timeout,
-        )
-        if cold.get("ok"):
-            cold_cache[key] = cold
+        ),
+    )
     store = restore = None
     servers: list[subprocess.Popen[Any]] = []
     try:
@@ -1099,18 +1147,50 @@ def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | 
     return None
 
 
-def _load_cold_runs(path: Path) -> dict[tuple[Any, ...], dict[str, Any]]:
-    try:
-        rows = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return {tuple(row["key"]): row["result"] for row in rows}
+class ColdRuns:
+    """Cold (no connector) results by case key, kept in a JSON file on the node.
 
+    Cold runs do not depend on the arm, so the other arm's invocation -- possibly a
+    concurrent process -- reuses them. A per-key lock file makes a second asker wait for
+    the run in progress instead of starting its own engine.
+    """
 
-def _save_cold_runs(path: Path, cache: dict[tuple[Any, ...], dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [{"key": list(k), "result": v} for k, v in cache.items()]
-    path.write_text(json.dumps(rows, default=str))
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def _locked(self, name: str) -> Iterator[None]:
+        with open(self.path.parent / f".{self.path.name}.{name}.lock", "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def load(self) -> dict[tuple[Any, ...], dict[str, Any]]:
+        try:
+            rows = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {tuple(row["key"]): row["result"] for row in rows}
+
+    def _store(self, key: tuple[Any, ...], result: dict[str, Any]) -> None:
+        with self._locked("file"):
+            cache = self.load()
+            cache[key] = result
+            rows = [{"key": list(k), "result": v} for k, v in cache.items()]
+            atomic_write(self.path, json.dumps(rows, default=str))
+
+    def get_or_run(self, key: tuple[Any, ...], run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        with self._locked("-".join(map(str, key))):
+            hit = self.load().get(key)
+            if hit is not None:
+                return hit
+            result = run()
+            if result.get("ok"):
+                self._store(key, result)
+            return result
 
 
 def run_matrix(
@@ -1157,27 +1237,38 @@ def run_matrix(
         report["not_run"] = [c.case_id for c in cases]
         flush()
         return report
-    # Cold runs use no connector, so they do not depend on the arm: keep them on the node
-    # for the next invocation (the other arm) instead of paying an engine start again.
-    cold_file = rc.work / "cold-runs.json"
-    cold_cache = _load_cold_runs(cold_file)
-    longest = 0.0
-    for i, case in enumerate(cases):
+    cold_runs = ColdRuns(rc.work / "cold-runs.json")
+    lock = threading.Lock()
+    order = {c.case_id: i for i, c in enumerate(cases)}
+    # A case costs ~3 engine starts once the node's JIT caches are warm; the very first
+    # case on a fresh node also pays FlashInfer's JIT (run it with no limit).
+    longest = [0.0]
+
+    def one(case: Case) -> None:
         elapsed = time.monotonic() - t0
-        # A case costs ~3 engine starts once the node's JIT caches are warm; the very
-        # first case on a fresh node also pays FlashInfer's JIT (run it with no limit).
-        estimate = longest or 240.0
-        if max_seconds and elapsed + estimate > max_seconds:
-            report["stopped_early"] = True
-            report["not_run"] = [c.case_id for c in cases[i:]]
-            break
-        rec = run_case(case, rc, cold_cache)
-        _save_cold_runs(cold_file, cold_cache)
-        longest = max(longest, rec["case_s"]) if i else rec["case_s"] * 0.6
-        report["cases"].append(rec)
-        flush()
-        if on_progress:
-            on_progress(rec)
+        with lock:
+            estimate = longest[0] or 240.0
+            if max_seconds and elapsed + estimate > max_seconds:
+                report["stopped_early"] = True
+                report["not_run"].append(case.case_id)
+                return
+        rec = run_case(case, rc, cold_runs)
+        with lock:
+            longest[0] = max(longest[0], rec["case_s"]) if longest[0] else rec["case_s"] * 0.6
+            report["cases"].append(rec)
+            report["cases"].sort(key=lambda r: order[r["case"]])
+            flush()
+            if on_progress:
+                on_progress(rec)
+
+    if rc.jobs <= 1:
+        for case in cases:
+            one(case)
+    else:
+        with ThreadPoolExecutor(max_workers=rc.jobs) as pool:
+            for fut in [pool.submit(one, c) for c in cases]:
+                fut.result()
+    report["not_run"].sort(key=order.__getitem__)
     flush()
     report["json_path"] = f"{stem}.json"
     report["md_path"] = f"{stem}.md"
@@ -1196,7 +1287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=Path("results"))
     ap.add_argument(
-        "--cases", default="quick", help="quick | all | full | comma-separated case ids / regexes"
+        "--cases",
+        default="quick",
+        help="quick | core | all | full | comma-separated case ids / regexes",
     )
     ap.add_argument(
         "--max-seconds",
@@ -1206,10 +1299,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="cases run concurrently (each its own engines)"
+    )
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="fixed KV cache per engine (skips vLLM's memory profiling; needed with --jobs > 1)",
+    )
     ap.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-gate"))
     ap.add_argument("--keep-l2", action="store_true")
     ap.add_argument("--list", action="store_true", help="print the selected cases and exit")
     a = ap.parse_args(argv)
+    if a.jobs > 1 and not a.kv_cache_gib:
+        ap.error("--jobs > 1 needs --kv-cache-gib (vLLM's profiling breaks under concurrency)")
     cases = select_cases(a.cases, a.tp)
     if a.list:
         for c in cases:
@@ -1224,6 +1328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         lmcache_dir=a.lmcache_dir.resolve(),
         out=a.out,
         gpu_memory_utilization=a.gpu_memory_utilization,
+        kv_cache_memory_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
+        jobs=a.jobs,
         keep_l2=a.keep_l2,
         work=a.work,
     )
@@ -1231,6 +1337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def progress(rec: dict[str, Any]) -> None:
         print(" | ".join(table_row(a.arm, rec)), flush=True)
 
+    install_cleanup_handler()
     report = run_matrix(cases, rc, a.max_seconds, progress)
     if report.get("error"):
         print(f"gate: {report['error']}", file=sys.stderr)

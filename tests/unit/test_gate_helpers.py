@@ -299,6 +299,56 @@ def test_child_env_puts_lmcache_first(tmp_path: Path, monkeypatch: pytest.Monkey
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
+def test_core_matrix_covers_every_dimension_per_ratio() -> None:
+    core = gate.select_cases("core")
+    assert len(core) == 6 and set(core) <= set(gate.select_cases("full"))
+    for ratio in (5, 17, 25):
+        mine = [c for c in core if c.geometry.ratio == ratio]
+        assert {c.layout for c in mine} == {"NHD", "HND"}
+        assert {c.chunk_blocks for c in mine} == {1, 2}
+        assert {c.exact for c in mine} == {True, False}
+    assert {c.spec.family for c in core} == {"olmo_hybrid", "qwen3_5"}
+
+
+def test_cold_runs_run_once_across_threads_and_skip_failures(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    cold = gate.ColdRuns(tmp_path / "cold-runs.json")
+    calls: list[int] = []
+
+    def slow_ok() -> dict:
+        calls.append(1)
+        time.sleep(0.2)
+        return {"ok": True, "gen_s": 1.5}
+
+    got: list[dict] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(cold.get_or_run(("m", 1, "NHD", 1), slow_ok)))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and got == [{"ok": True, "gen_s": 1.5}] * 4
+    # another process (the other arm) reads it back from the file
+    assert gate.ColdRuns(tmp_path / "cold-runs.json").load() == {("m", 1, "NHD", 1): got[0]}
+    assert cold.get_or_run(("m", 2, "NHD", 1), lambda: {"ok": False})["ok"] is False
+    assert ("m", 2, "NHD", 1) not in cold.load()
+
+
+def test_fixed_kv_cache_reaches_the_engine_spec(tmp_path: Path) -> None:
+    case = gate.Case("olmo-r5", "NHD", 1, False)
+    rc = gate.RunConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path)
+    assert "kv_cache_memory_bytes" not in gate.engine_spec(case, "cold", tmp_path, rc, None, None)
+    rc.kv_cache_memory_bytes = 2**31
+    spec = gate.engine_spec(case, "cold", tmp_path, rc, None, None)
+    assert spec["kv_cache_memory_bytes"] == 2**31
+    with pytest.raises(SystemExit):
+        gate.main(["--arm", "patched", "--lmcache-dir", str(tmp_path), "--jobs", "2"])
+
+
 def test_engine_spec_and_report(tmp_path: Path) -> None:
     case = gate.Case("qwen35-r17", "HND", 2, False)
     rc = gate.RunConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path)
