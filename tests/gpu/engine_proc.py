@@ -243,6 +243,10 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
         "mamba_cache_mode": "align",
         "attention_config": {"backend": spec.get("attention_backend", "FLASHINFER")},
         "tensor_parallel_size": spec["tensor_parallel_size"],
+        # Qwen3.5's GDN prefill defaults to FlashInfer on SM90, whose kernel needs the CuTe
+        # DSL package our node lacks ("SM90 GDN prefill DSL kernel is unavailable"). The
+        # Triton/FLA kernel computes the same recurrence; the KV cache layout is unchanged.
+        "gdn_prefill_backend": spec.get("gdn_prefill_backend", "triton"),
     }
     if spec.get("kv_cache_memory_bytes"):
         kw["kv_cache_memory_bytes"] = int(spec["kv_cache_memory_bytes"])

@@ -1,7 +1,8 @@
 """Drive LMCache's real fs L2 adapter (FSL2Adapter) synchronously from tests.
 
-The only fake is the host buffer: an object exposing ``byte_array``, which is all the
-adapter's store and load paths touch of a MemoryObj.
+Host buffers are LMCache's real ``TensorMemoryObj`` over a CPU tensor: its ``byte_array``
+is a ctypes-backed memoryview (format ``<B``), which is what the server hands the adapter
+(a plain ``bytearray``, format ``B``, once hid a crash in the integrity trailer).
 """
 
 from __future__ import annotations
@@ -19,11 +20,27 @@ class Buf:
     """A host object: the bytes the fs adapter writes from or loads into."""
 
     def __init__(self, data: bytes) -> None:
-        self.data = bytearray(data)
+        from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+
+        self.raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+        if self.raw is None:
+            self.raw = torch.empty(0, dtype=torch.uint8)
+        meta = MemoryObjMetadata(
+            shape=torch.Size([len(data)]),
+            dtype=torch.uint8,
+            address=0,
+            phy_size=len(data),
+            ref_count=1,
+        )
+        self.obj = TensorMemoryObj(self.raw, meta, None)
 
     @property
     def byte_array(self) -> memoryview:
-        return memoryview(self.data)
+        return self.obj.byte_array
+
+    @property
+    def data(self) -> bytes:
+        return self.raw.numpy().tobytes()
 
 
 def layout_nbytes(layout: Any) -> int:
