@@ -576,7 +576,14 @@ def evaluate_case(
         health_matches_cold=restore.get("health", {}).get("tokens")
         == cold.get("health", {}).get("tokens"),
     )
-    out["a"] = kv["match"]
+    if hit == 0:
+        # Nothing was restored: equal bytes and tokens would only show that a recompute
+        # is deterministic, so (a) says nothing -- for either arm.
+        out["errors"].append(
+            "no external hit: nothing was restored from L2, (a) and (b) prove nothing"
+        )
+        out["bytes_match"] = kv["match"] = None
+    out["a"] = bool(kv["match"])
     out["b"] = out["tokens_match"] and lp_ok
     out["c"] = hit > 0 and hit >= out["required_hit"]
     out["d"] = (

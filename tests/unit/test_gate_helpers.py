@@ -261,6 +261,18 @@ def test_evaluate_case_criteria_c_d_and_errors() -> None:
     assert not ev["pass"] and "geometry" in ev["errors"][0]
 
 
+def test_evaluate_case_without_a_hit_proves_nothing() -> None:
+    """Seen on the H200: every store failed, the restore recomputed everything and the
+    KV bytes matched trivially. That must not read as "bytes match" on either arm."""
+    case = gate.Case("qwen35-r5", "HND", 2, False)
+    kv = [_hashes({"0": "a"}, {"0": "g"})]
+    cold = _engine([5], [], 2.0)
+    store = _engine([5], [], 2.0, kv=kv)
+    ev = gate.evaluate_case(case, cold, store, _engine([5], [], 1.0, cached=0, kv=kv))
+    assert ev["bytes_match"] is None and not ev["a"] and not ev["pass"]
+    assert any("no external hit" in e for e in ev["errors"])
+
+
 def test_l2_filename_and_inventory(tmp_path: Path) -> None:
     meta = gate.parse_l2_filename("m@0x02010201@0@abcd.data")
     assert meta == {"world_size": 2, "rank": 1, "object_group": 0, "chunk_hash": "abcd"}
