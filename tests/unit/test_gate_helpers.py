@@ -319,7 +319,8 @@ def test_core_matrix_covers_every_dimension_per_ratio() -> None:
         assert {c.layout for c in mine} == {"NHD", "HND"}
         assert {c.chunk_blocks for c in mine} == {1, 2}
         assert {c.exact for c in mine} == {True, False}
-    assert {c.spec.family for c in core} == {"olmo_hybrid", "qwen3_5"}
+    for family in ("olmo_hybrid", "qwen3_5"):
+        assert {c.layout for c in core if c.spec.family == family} == {"NHD", "HND"}
 
 
 def test_cold_runs_run_once_across_threads_and_skip_failures(tmp_path: Path) -> None:
