@@ -1,0 +1,154 @@
+"""The scheduler side of LMCacheMPConnector when the LMCache server dies (patch 0006).
+
+LMCache's real scheduler adapter talks to LMCache's real message-queue server, which serves
+four request types from small handlers. "The server dies" is that server closing its socket:
+requests get no reply, as after a SIGKILL.
+
+Pristine 0.5.3 never starts the scheduler's heartbeat (it tests an empty dict against None).
+A lookup in flight when the server dies therefore blocks the scheduler, and with it every
+request of the engine, for the whole mq_timeout (300 s by default), and the adapter never sees
+the server come back.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from lmcache.v1.multiprocess.mq import MessageQueueServer
+from lmcache.v1.multiprocess.protocol import RequestType, get_handler_type, get_payload_classes
+from lmcache.v1.multiprocess.protocols.engine import KeyType
+
+CHUNK = 16
+HEARTBEAT_S = 0.5
+MQ_TIMEOUT_S = 12.0  # what pristine waits; the patched build must give up after a few heartbeats
+GIVE_UP_WITHIN_S = 4.0
+
+
+def free_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class LMCacheServerStub:
+    """LMCache's MessageQueueServer answering the requests a scheduler adapter sends."""
+
+    def __init__(self, url: str, ctx: zmq.Context, hit_chunks: int) -> None:
+        def get_chunk_size() -> int:
+            return CHUNK
+
+        def ping(instance_id: int | None) -> bool:
+            return True
+
+        def lookup(key: KeyType, tp_size: int) -> None:
+            return None
+
+        def query_prefetch_status(request_id: str) -> int | None:
+            return hit_chunks
+
+        handlers = {
+            RequestType.GET_CHUNK_SIZE: get_chunk_size,
+            RequestType.PING: ping,
+            RequestType.LOOKUP: lookup,
+            RequestType.QUERY_PREFETCH_STATUS: query_prefetch_status,
+        }
+        self.server = MessageQueueServer(url, ctx)
+        for rt, fn in handlers.items():
+            self.server.add_handler(rt, get_payload_classes(rt), get_handler_type(rt), fn)
+        blocking = [rt for rt in handlers if rt != RequestType.GET_CHUNK_SIZE]
+        self.server.add_normal_thread_pool(blocking, max_workers=4)
+        self.server.start()
+
+    def die(self) -> None:
+        self.server.close()
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    # Requests to a dead server stay queued in the client's socket; with the default
+    # infinite linger, terminating the context would wait for them forever.
+    context.linger = 0
+    yield context
+    context.destroy(linger=0)
+
+
+def make_adapter(url: str, ctx: zmq.Context, mq_timeout: float):
+    from lmcache.integration.vllm.vllm_multi_process_adapter import (
+        LMCacheMPSchedulerAdapter,
+        ParallelStrategy,
+    )
+
+    strategy = ParallelStrategy(
+        mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1, pp_size=1, n_servers=1
+    )
+    return LMCacheMPSchedulerAdapter(
+        [url],
+        ctx,
+        "stub-model",
+        CHUNK,
+        strategy,
+        mq_timeout=mq_timeout,
+        heartbeat_interval=HEARTBEAT_S,
+    )
+
+
+TOKENS = list(range(100, 100 + 4 * CHUNK))
+
+
+def test_lookup_round_trip_with_a_live_server(ctx) -> None:
+    url = free_url()
+    server = LMCacheServerStub(url, ctx, hit_chunks=3)
+    adapter = make_adapter(url, ctx, MQ_TIMEOUT_S)
+    try:
+        adapter.maybe_submit_lookup_request("req-1", TOKENS)
+        assert adapter.check_lookup_result("req-1") == 3 * CHUNK
+    finally:
+        adapter.shutdown()
+        server.die()
+
+
+@pytest.mark.fix
+def test_lookup_in_flight_when_the_server_dies_gives_up_within_a_few_heartbeats(ctx) -> None:
+    url = free_url()
+    server = LMCacheServerStub(url, ctx, hit_chunks=3)
+    adapter = make_adapter(url, ctx, MQ_TIMEOUT_S)
+    try:
+        adapter.maybe_submit_lookup_request("req-1", TOKENS)
+        server.die()
+        t0 = time.monotonic()
+        hit = adapter.check_lookup_result("req-1")
+        waited = time.monotonic() - t0
+        assert hit == 0, "a dead server must read as a miss"
+        assert waited < GIVE_UP_WITHIN_S, (
+            f"the scheduler blocked {waited:.1f}s on a dead server (mq_timeout {MQ_TIMEOUT_S}s)"
+        )
+    finally:
+        adapter.shutdown()
+
+
+@pytest.mark.fix
+def test_lookups_resume_when_the_server_comes_back(ctx) -> None:
+    url = free_url()
+    server = LMCacheServerStub(url, ctx, hit_chunks=2)
+    adapter = make_adapter(url, ctx, mq_timeout=2.0)
+    try:
+        adapter.maybe_submit_lookup_request("req-1", TOKENS)
+        server.die()
+        assert adapter.check_lookup_result("req-1") == 0
+        assert not adapter.is_healthy
+        server = LMCacheServerStub(url, ctx, hit_chunks=2)
+        deadline = time.monotonic() + 10 * HEARTBEAT_S
+        while not adapter.is_healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert adapter.is_healthy, "the adapter never saw the restarted server"
+        adapter.maybe_submit_lookup_request("req-2", TOKENS)
+        assert adapter.check_lookup_result("req-2") == 2 * CHUNK
+    finally:
+        adapter.shutdown()
+        server.die()
