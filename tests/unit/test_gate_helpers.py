@@ -362,6 +362,41 @@ def test_fixed_kv_cache_reaches_the_engine_spec(tmp_path: Path) -> None:
         gate.main(["--arm", "patched", "--lmcache-dir", str(tmp_path), "--jobs", "2"])
 
 
+def test_sigterm_kills_the_engines_and_servers_the_gate_started(tmp_path: Path) -> None:
+    """`timeout` on the node sends SIGTERM to gate.py only; its children run in their own
+    sessions, so without the handler they would outlive it and hold the GPU."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); import gate; "
+        "child = gate.spawn(['sleep', '60'], None, {'PATH': '/usr/bin:/bin'}); "
+        "gate.install_cleanup_handler(); print(child.pid, flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(GPU_DIR)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    os.kill(child, 0)  # running
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 124
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        # a killed child stays a zombie until its parent (gone) is reaped by init
+        if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the spawned child survived the gate's SIGTERM")
+
+
 def test_engine_spec_and_report(tmp_path: Path) -> None:
     case = gate.Case("qwen35-r17", "HND", 2, False)
     rc = gate.RunConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path)
