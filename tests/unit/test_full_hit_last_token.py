@@ -61,6 +61,8 @@ class _FakeServer:
     def answer(self, request_type: RequestType, payloads: list[Any]) -> Any:
         if request_type == RequestType.GET_CHUNK_SIZE:
             return CHUNK
+        if request_type == RequestType.PING:  # the scheduler's heartbeat (patch 0006)
+            return True
         if request_type == RequestType.LOOKUP:
             key = payloads[0]
             hit = min(self.held_chunks, len(key.token_ids) // CHUNK)
