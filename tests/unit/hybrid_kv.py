@@ -220,26 +220,11 @@ class FakeStorage:
         self.layouts: list[Any] = []
 
     def reserve_write(self, keys: list[Any], layout: Any, mode: str) -> dict[Any, Any]:
-        from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
-
         self.layouts.append(layout)
         reserved = {}
         for key in keys:
-            sizes = [
-                torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-                for s, d in zip(layout.shapes, layout.dtypes, strict=True)
-            ]
-            raw = torch.zeros(sum(sizes), dtype=torch.uint8)
-            meta = MemoryObjMetadata(
-                shape=torch.Size([sum(sizes)]),
-                dtype=torch.uint8,
-                address=0,
-                phy_size=sum(sizes),
-                ref_count=1,
-                shapes=list(layout.shapes),
-                dtypes=list(layout.dtypes),
-            )
-            reserved[key] = self.objects[key] = TensorMemoryObj(raw, meta, None)
+            raw = torch.zeros(layout_nbytes(layout), dtype=torch.uint8)
+            reserved[key] = self.objects[key] = host_object(raw, layout)
         return reserved
 
     def finish_write(self, keys: list[Any]) -> None: ...
@@ -298,6 +283,30 @@ class Server:
             Key(request, 0, num_tokens), 1, self.block_ids(engine_block_ids), b"", 0
         )
         return ok
+
+
+def layout_nbytes(layout: Any) -> int:
+    """Bytes of one object of an LMCache memory layout (all its tensors)."""
+    return sum(
+        torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+        for s, d in zip(layout.shapes, layout.dtypes, strict=True)
+    )
+
+
+def host_object(raw: torch.Tensor, layout: Any = None) -> Any:
+    """LMCache's real TensorMemoryObj over a flat uint8 CPU tensor, as the server holds."""
+    from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+
+    per_layout = {"shapes": list(layout.shapes), "dtypes": list(layout.dtypes)} if layout else {}
+    meta = MemoryObjMetadata(
+        shape=raw.shape,
+        dtype=torch.uint8,
+        address=0,
+        phy_size=raw.numel(),
+        ref_count=1,
+        **per_layout,
+    )
+    return TensorMemoryObj(raw, meta, None)
 
 
 def start_server(kv: HybridKV, chunk_size: int, monkeypatch: pytest.MonkeyPatch) -> Server:

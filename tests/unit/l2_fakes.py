@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hybrid_kv import host_object
 
 TIMEOUT_S = 5.0
 
@@ -20,19 +21,9 @@ class Buf:
     """A host object: the bytes the fs adapter writes from or loads into."""
 
     def __init__(self, data: bytes) -> None:
-        from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
-
-        self.raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
-        if self.raw is None:
-            self.raw = torch.empty(0, dtype=torch.uint8)
-        meta = MemoryObjMetadata(
-            shape=torch.Size([len(data)]),
-            dtype=torch.uint8,
-            address=0,
-            phy_size=len(data),
-            ref_count=1,
-        )
-        self.obj = TensorMemoryObj(self.raw, meta, None)
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0)
+        self.raw = raw.to(torch.uint8)
+        self.obj = host_object(self.raw)
 
     @property
     def byte_array(self) -> memoryview:
@@ -41,13 +32,6 @@ class Buf:
     @property
     def data(self) -> bytes:
         return self.raw.numpy().tobytes()
-
-
-def layout_nbytes(layout: Any) -> int:
-    return sum(
-        torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-        for s, d in zip(layout.shapes, layout.dtypes, strict=True)
-    )
 
 
 def open_adapter(base: Path) -> Any:
