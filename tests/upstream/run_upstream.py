@@ -527,6 +527,26 @@ def compare_with_pristine(
     return pristine, confirm, runs
 
 
+def classify(
+    persistent: list[str],
+    pristine_hist: dict[str, list[str]],
+    confirm_hist: dict[str, list[str]],
+) -> tuple[list[str], list[str], list[str]]:
+    """Split tests that kept failing on patched into (regressions, fail on pristine too,
+    flaky). A regression passed on pristine and failed again on patched right after."""
+    regressions: list[str] = []
+    pristine_fail: list[str] = []
+    flaky: list[str] = []
+    for nid in persistent:
+        if "passed" not in pristine_hist[nid]:
+            pristine_fail.append(nid)
+        elif any(o in ("passed", "skipped") for o in confirm_hist.get(nid, [])):
+            flaky.append(nid)  # passed on patched too, when run right after pristine
+        else:
+            regressions.append(nid)
+    return regressions, pristine_fail, flaky
+
+
 def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, object]) -> int:
     known = load_known(args.known_failures)
     first = run_pytest(args.python, args.lmcache, args.work, "patched", targets, args.wall_timeout)
@@ -540,16 +560,8 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     pristine_hist, confirm_hist, pristine_runs = compare_with_pristine(args, persistent)
     for nid, hist in confirm_hist.items():
         patched_hist[nid].extend(hist)
-    ok = ("passed", "skipped")
-    regressions, pristine_fail = [], []
-    for nid in persistent:
-        if "passed" not in pristine_hist[nid]:
-            pristine_fail.append(nid)
-        elif any(o in ok for o in confirm_hist.get(nid, [])):
-            flaky.append(nid)  # passed on patched too, when run right after pristine
-        else:
-            regressions.append(nid)
-    flaky.sort()
+    regressions, pristine_fail, confirmed_flaky = classify(persistent, pristine_hist, confirm_hist)
+    flaky = sorted(flaky + confirmed_flaky)
     unlisted = [n for n in pristine_fail if match_known(n, known) is None]
     flaky_unlisted = [n for n in flaky if match_known(n, known) is None]
     scope = targets if args.select else ["tests"]
