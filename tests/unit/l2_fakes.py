@@ -7,6 +7,7 @@ is a ctypes-backed memoryview (format ``<B``), which is what the server hands th
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,14 @@ class Buf:
     @property
     def data(self) -> bytes:
         return self.raw.numpy().tobytes()
+
+
+def arm_env() -> dict[str, str]:
+    """Environment for a child Python that imports the lmcache under test, whatever else
+    is on sys.path or in its working directory."""
+    import lmcache
+
+    return dict(os.environ, PYTHONPATH=str(Path(lmcache.__file__).resolve().parent.parent))
 
 
 def open_adapter(base: Path) -> Any:

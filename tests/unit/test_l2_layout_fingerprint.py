@@ -13,7 +13,6 @@ the real FSL2Adapter on tmp_path; the host buffers are the only stand-in.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ pytest.importorskip("vllm.v1.kv_cache_interface")
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
 
 from hybrid_kv import build_fa_only_kv, build_hybrid_kv, layout_nbytes, start_server  # noqa: E402
-from l2_fakes import load, lookup, open_adapter, store  # noqa: E402
+from l2_fakes import arm_env, load, lookup, open_adapter, store  # noqa: E402
 
 MODEL = "hybrid"  # the model name hybrid_kv.start_server registers
 HASHES = [bytes([i]) * 16 for i in range(1, 4)]
@@ -147,11 +146,7 @@ def test_purge_command_removes_only_the_stale_objects(tmp_path, monkeypatch):
 
     cmd = [sys.executable, "-m", "lmcache.v1.distributed.l2_adapters.fs_layout_purge"]
     args = [str(base), "--model", MODEL, "--keep", keep]
-    import lmcache
-
-    # The lmcache under test, whatever else is on sys.path or in the working directory.
-    env = dict(os.environ, PYTHONPATH=str(Path(lmcache.__file__).resolve().parent.parent))
-    run = {"capture_output": True, "text": True, "env": env, "cwd": tmp_path}
+    run = {"capture_output": True, "text": True, "env": arm_env(), "cwd": tmp_path}
     dry = subprocess.run(cmd + args, **run)
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert len(list(base.glob("*.data"))) == len(HASHES) + 1, "a dry run removed files"
