@@ -114,24 +114,55 @@ def test_ttft_prefers_request_metrics() -> None:
     assert bench.ratio(10.0, 0.5) == 20.0 and bench.ratio(None, 1.0) is None
 
 
-def _restore_rec(speedup: float, retrieve: float | None, eff: float = 1.0) -> dict[str, Any]:
-    return {
+def _restore_rec(
+    speedup: float, after_prefetch_s: float | None, ttft: float = 4.0
+) -> dict[str, Any]:
+    """A restore of 100 objects of 1 GB (chunk 500) whose TTFT is ``ttft`` seconds."""
+    rec: dict[str, Any] = {
         "ok": True,
         "kind": "restore",
+        "chunk": 500,
+        "hit_tokens": 50_000,
+        "l2": {"bytes_per_object": 1e9},
         "speedup_ttft": speedup,
-        "retrieve_log": {"gbps": retrieve},
-        "restore_effective_gbps": eff,
+        "restore_ttft_s": ttft,
+        "restore_effective_gbps": 100e9 / ttft / 1e9,
+        "retrieve_log": {"gbps": 9000.0},  # enqueue time: must never be used
     }
+    if after_prefetch_s is not None:
+        rec["prefetch_lines"] = [
+            (2, 2, 0, 2, 0.1),  # the warm-up request
+            (100, 100, 0, 100, ttft - after_prefetch_s),
+        ]
+    return rec
+
+
+def test_restore_breakdown_uses_the_restored_requests_prefetch() -> None:
+    b = bench.restore_breakdown(_restore_rec(1.0, after_prefetch_s=2.0))
+    assert b is not None and b["prefetch_exact"]
+    assert b["prefetch_s"] == pytest.approx(2.0) and b["after_prefetch_s"] == pytest.approx(2.0)
+    assert b["prefetch_gbps"] == pytest.approx(50.0)
+    assert b["retrieve_gbps_lower_bound"] == pytest.approx(50.0)
+    assert b["prefetch_share_of_ttft"] == pytest.approx(0.5)
+
+
+def test_restore_breakdown_splits_a_summed_prefetch_by_objects() -> None:
+    rec = _restore_rec(1.0, after_prefetch_s=None)
+    rec["prefetch_log"] = {"l2_objects": 102, "seconds": 3.06}
+    b = bench.restore_breakdown(rec)
+    assert b is not None and not b["prefetch_exact"]
+    assert b["prefetch_s"] == pytest.approx(3.0)
+    assert b["retrieve_gbps_lower_bound"] == pytest.approx(100.0)
 
 
 def test_targets_met_and_missed() -> None:
     b = bench.BIG_MODEL
     res = {
         "records": {
-            f"restore:{b}:FLASHINFER:patched:26624": _restore_rec(12.0, 20.0),
-            f"restore:{b}:FLASHINFER:patched:131072": _restore_rec(15.0, 30.0),
-            f"restore:{b}:FLASH_ATTN:patched:131072": _restore_rec(15.0, 40.0),
-            "pinned": {"ok": True, "h2d_gbps": 50.0},
+            f"restore:{b}:FLASHINFER:patched:26624": _restore_rec(12.0, 2.0),
+            f"restore:{b}:FLASHINFER:patched:131072": _restore_rec(15.0, 4.0 / 3, ttft=8.0),
+            f"restore:{b}:FLASH_ATTN:patched:131072": _restore_rec(15.0, 1.0, ttft=8.0),
+            "pinned": {"ok": True, "h2d_gbps": 125.0},
         }
     }
     got = {t["target"]: t for t in bench.evaluate_targets(res)}
@@ -140,17 +171,19 @@ def test_targets_met_and_missed() -> None:
     assert not got["retrieve_vs_flash_attn"]["met"]
     assert got["retrieve_vs_pinned_h2d"]["value"] == pytest.approx(0.6)
     assert got["retrieve_vs_pinned_h2d"]["met"]
+    assert "lower bound" in got["retrieve_vs_pinned_h2d"]["detail"]
 
 
 def test_targets_fall_back_to_effective_rate_and_missing_is_missed() -> None:
     b = bench.BIG_MODEL
-    res = {"records": {f"restore:{b}:FLASHINFER:patched:8192": _restore_rec(3.0, None, 30.0)}}
+    rec = _restore_rec(3.0, None, ttft=4.0)  # no prefetch lines: hit bytes / TTFT = 25 GB/s
+    res = {"records": {f"restore:{b}:FLASHINFER:patched:8192": rec}}
     got = {t["target"]: t for t in bench.evaluate_targets(res)}
     assert got["ttft_speedup_26k"]["value"] is None and not got["ttft_speedup_26k"]["met"]
     assert got["retrieve_vs_pinned_h2d"]["value"] is None  # no pinned probe
     res["records"]["pinned"] = {"ok": True, "h2d_gbps": 50.0}
     got = {t["target"]: t for t in bench.evaluate_targets(res)}
-    assert got["retrieve_vs_pinned_h2d"]["value"] == pytest.approx(0.6)
+    assert got["retrieve_vs_pinned_h2d"]["value"] == pytest.approx(0.5)
     assert "restore TTFT" in got["retrieve_vs_pinned_h2d"]["detail"]
 
 
@@ -261,7 +294,8 @@ def test_restore_step_flow_with_fake_server_and_engines(tmp_path: Path, monkeypa
     assert rec["l2"]["bytes_per_object"] == obj
     assert rec["speedup_ttft"] == pytest.approx(10.0)
     assert rec["store_log"]["bytes"] == 15 * obj
-    assert rec["retrieve_log"]["gbps"] == pytest.approx(15 * obj / 0.02 / 1e9)
+    assert rec["breakdown"]["prefetch_s"] == pytest.approx(0.05)
+    assert rec["breakdown"]["after_prefetch_s"] == pytest.approx(0.39 - 0.05)
     assert rec["prefetch_log"]["gbps"] == pytest.approx(15 * obj / 0.05 / 1e9)
     assert rec["page_cache"]["files"] == 15
     assert not (tmp_path / "w" / step.id.replace(":", "_") / "l2").exists()
