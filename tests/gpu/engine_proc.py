@@ -189,9 +189,20 @@ def _l2_objects(root: str) -> tuple[int, int]:
     return n, total
 
 
-def _wait_l2(root: str, min_objects: int, timeout: float = 90.0) -> dict[str, Any]:
+def _store_failures(server_log: str | None) -> int:
+    try:
+        text = Path(server_log).read_text(errors="replace") if server_log else ""
+    except OSError:
+        return 0
+    return text.count("Cannot store keys due to exception")
+
+
+def _wait_l2(
+    root: str, min_objects: int, timeout: float = 90.0, server_log: str | None = None
+) -> dict[str, Any]:
     """Stores are asynchronous: keep this process (and its GPU KV, which the server reads
-    through CUDA IPC) alive until the chunks reached the server's L2 folder."""
+    through CUDA IPC) alive until the chunks reached the server's L2 folder, or until the
+    folder is quiet and the server logged failed stores (the rest will never come)."""
     t0 = time.monotonic()
     last = _l2_objects(root)
     since = time.monotonic()
@@ -200,13 +211,17 @@ def _wait_l2(root: str, min_objects: int, timeout: float = 90.0) -> dict[str, An
         cur = _l2_objects(root)
         if cur != last:
             last, since = cur, time.monotonic()
-        elif cur[0] >= min_objects and time.monotonic() - since >= 3.0:
-            return {
-                "objects": cur[0],
-                "bytes": cur[1],
-                "waited_s": time.monotonic() - t0,
-                "stable": True,
-            }
+        elif time.monotonic() - since >= 3.0:
+            done = cur[0] >= min_objects
+            failed = 0 if done else _store_failures(server_log)
+            if done or failed:
+                return {
+                    "objects": cur[0],
+                    "bytes": cur[1],
+                    "waited_s": time.monotonic() - t0,
+                    "stable": done,
+                    "store_failures": failed,
+                }
     return {"objects": last[0], "bytes": last[1], "waited_s": timeout, "stable": False}
 
 
@@ -317,7 +332,9 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
     result["observed_layout"] = h0.get("layout")
 
     if spec["role"] == "store" and spec.get("l2_dir"):
-        result["l2_wait"] = _wait_l2(spec["l2_dir"], int(spec.get("l2_min_objects", 1)))
+        result["l2_wait"] = _wait_l2(
+            spec["l2_dir"], int(spec.get("l2_min_objects", 1)), server_log=spec.get("server_log")
+        )
 
     if spec["role"] in ("restore", "cold"):
         t1 = time.perf_counter()

@@ -915,18 +915,37 @@ def engine_log_facts(text: str) -> dict[str, Any]:
     return facts
 
 
+STORE_FAILED = "Cannot store keys due to exception"
+
+
 def server_log_facts(text: str) -> dict[str, Any]:
     pre = re.findall(r"Prefetch request completed[^\n]*", text)
     return {
         "prefetch": pre[-1] if pre else None,
         "errors": len(re.findall(r"\bERROR\b|Traceback", text)),
+        "store_failures": text.count(STORE_FAILED),
     }
 
 
+def store_failures(server_log: Path | None) -> int:
+    try:
+        return Path(server_log).read_text(errors="replace").count(STORE_FAILED) if server_log else 0
+    except OSError:
+        return 0
+
+
 def wait_l2_stable(
-    root: Path, min_objects: int, timeout: float = 90.0, quiet: float = 3.0
+    root: Path,
+    min_objects: int,
+    timeout: float = 90.0,
+    quiet: float = 3.0,
+    server_log: Path | None = None,
 ) -> dict[str, Any]:
-    """Wait until the L2 folder holds >= min_objects and stops changing for ``quiet`` s."""
+    """Wait until the L2 folder holds >= min_objects and stops changing for ``quiet`` s.
+
+    Gives up early once the folder is quiet and ``server_log`` shows failed stores (pristine
+    0.5.3 under HND fails every store): the missing objects will never come.
+    """
     deadline = time.monotonic() + timeout
     last = l2_inventory(root)
     since = time.monotonic()
@@ -935,8 +954,12 @@ def wait_l2_stable(
         inv = l2_inventory(root)
         if (inv["objects"], inv["bytes"]) != (last["objects"], last["bytes"]):
             last, since = inv, time.monotonic()
-        elif inv["objects"] >= min_objects and time.monotonic() - since >= quiet:
-            return {**inv, "stable": True}
+        elif time.monotonic() - since >= quiet:
+            if inv["objects"] >= min_objects:
+                return {**inv, "stable": True}
+            failed = store_failures(server_log)
+            if failed:
+                return {**inv, "stable": False, "store_failures": failed}
     return {**last, "stable": False}
 
 
@@ -994,6 +1017,7 @@ def engine_spec(
     if role == "store" and l2_dir is not None:
         spec["l2_dir"] = str(l2_dir)
         spec["l2_min_objects"] = (p // case.chunk) * case.tp
+        spec["server_log"] = str(l2_dir.parent / "server1.log")
     return spec
 
 
@@ -1044,7 +1068,9 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             "store",
             rc.engine_timeout,
         )
-        rec["l2_after_store"] = wait_l2_stable(l2, (case.prompt_tokens // case.chunk) * case.tp)
+        rec["l2_after_store"] = wait_l2_stable(
+            l2, (case.prompt_tokens // case.chunk) * case.tp, server_log=wd / "server1.log"
+        )
         kill_group(srv)
         rec["server1"] = server_log_facts((wd / "server1.log").read_text(errors="replace"))
         rec["l2_after_kill"] = l2_inventory(l2)
@@ -1071,6 +1097,9 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         for s in servers:
             kill_group(s)
     ev = evaluate_case(case, cold, store, restore)
+    failed = (rec.get("server1") or {}).get("store_failures")
+    if failed:
+        ev["errors"].append(f"server: {failed} stores failed ({STORE_FAILED!r} in server1.log)")
     if rec.get("server_error"):
         ev["errors"].append(rec["server_error"][-1500:])
         ev["pass"] = False

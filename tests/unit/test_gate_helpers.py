@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -537,3 +538,30 @@ def test_init_weights_is_deterministic() -> None:
         assert abs(float(norm.bias.detach().mean())) < 0.1
         assert float(proj.weight.detach().std()) < 0.1
     assert fps[0] == fps[1]
+
+
+def _one_l2_object(l2: Path) -> None:
+    (l2 / "m@0x1000000@0x0@0001.data").parent.mkdir(parents=True, exist_ok=True)
+    (l2 / "m@0x1000000@0x0@0001.data").write_bytes(b"\0" * 64)
+
+
+def test_l2_wait_gives_up_when_the_server_failed_stores(tmp_path: Path) -> None:
+    l2, log = tmp_path / "l2", tmp_path / "server1.log"
+    _one_l2_object(l2)
+    log.write_text(f"[x] LMCache ERROR: {gate.STORE_FAILED} (transfer.py:1126)\n" * 2)
+    t0 = time.monotonic()
+    got = gate.wait_l2_stable(l2, 5, timeout=60.0, quiet=0.5, server_log=log)
+    assert time.monotonic() - t0 < 10
+    assert got["objects"] == 1 and not got["stable"] and got["store_failures"] == 2
+    got = engine_proc._wait_l2(str(l2), 5, timeout=60.0, server_log=str(log))
+    assert got["waited_s"] < 10 and not got["stable"] and got["store_failures"] == 2
+    assert gate.server_log_facts(log.read_text())["store_failures"] == 2
+
+
+def test_l2_wait_keeps_waiting_for_a_healthy_server(tmp_path: Path) -> None:
+    l2, log = tmp_path / "l2", tmp_path / "server1.log"
+    _one_l2_object(l2)
+    log.write_text("[x] LMCache INFO: Stored 80 tokens in 0.001 seconds\n")
+    got = gate.wait_l2_stable(l2, 5, timeout=2.0, quiet=0.5, server_log=log)
+    assert not got["stable"] and "store_failures" not in got
+    assert gate.wait_l2_stable(l2, 1, timeout=10.0, quiet=0.5, server_log=log)["stable"]
