@@ -4,9 +4,12 @@
 
 SPEC (written by gate.engine_spec): role cold|store|restore, model_dir, prompt/warmup/health
 token ids, engine knobs, optional "lmcache" connector settings, and for the store role the
-L2 folder to watch. OUT gets a JSON result with "ok"; on failure "error" holds the
-traceback. The parent sets VLLM_KV_CACHE_LAYOUT, VLLM_ENABLE_V1_MULTIPROCESSING=0 and the
-PYTHONPATH (lmcache under test first).
+L2 folder to watch. Role fault-store (fault_kill_mid_store.py) is a store engine that runs
+the health request too and does not wait for L2; role load (load.py) keeps many requests in
+flight through LLMEngine and writes per-request records (see ``load_loop``). OUT gets a JSON
+result with "ok"; on failure "error" holds the traceback. The parent sets
+VLLM_KV_CACHE_LAYOUT, VLLM_ENABLE_V1_MULTIPROCESSING=0 and the PYTHONPATH (lmcache under
+test first).
 
 Worker-side helpers are plain functions handed to ``LLM.collective_rpc``; they receive
 the worker (or its WorkerWrapperBase, which forwards attributes) as ``self`` and import
@@ -116,21 +119,47 @@ def _rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
     whose slot holds the align-mode checkpoint after (j+1)*N tokens. Null blocks (id 0)
     are skipped: a restored request holds nulls below its hit.
     """
-    import hashlib
-
-    import torch
-
     mr = _runner(self)
     blocks = getattr(mr, "_gate_blocks", {}).get(key)
     if blocks is None:
         raise RuntimeError(f"no block table recorded for {key[:40]}...; hook not installed?")
+    return {"rank": _rank(self), **_hash_blocks(mr, blocks, prompt_tokens)}
+
+
+def _rpc_block_hashes(
+    self: Any, req_id: str, prompt_tokens: int, only: list[int]
+) -> dict[str, Any]:
+    """``_rpc_kv_hashes`` for a request that is still running, by vLLM's internal request id,
+    restricted to the prompt block indices in ``only`` (load.py hashes while the request
+    decodes, before its blocks can be freed and reused)."""
+    mr = _runner(self)
+    st = getattr(mr, "requests", {}).get(req_id)
+    if st is None:
+        return {"rank": _rank(self), "missing": True, "fa": {}, "gdn": {}}
+    res = _hash_blocks(mr, [list(g) for g in st.block_ids], prompt_tokens, set(only))
+    res.pop("block_ids", None)
+    return {"rank": _rank(self), **res}
+
+
+def _hash_blocks(
+    mr: Any, blocks: list[list[int]], prompt_tokens: int, only: set[int] | None = None
+) -> dict[str, Any]:
+    """The hashing of ``_rpc_kv_hashes`` over a block table (one id list per KV cache
+    group); ``only``: hash just these prompt block indices (None: every block)."""
+    import hashlib
+
+    import torch
+
     ctx = mr.compilation_config.static_forward_context
     groups = mr.kv_cache_config.kv_cache_groups
-    res: dict[str, Any] = {"rank": _rank(self), "fa": {}, "gdn": {}, "block_ids": blocks}
+    res: dict[str, Any] = {"fa": {}, "gdn": {}, "block_ids": blocks}
 
     def digest(t: torch.Tensor) -> str:
         data = t.contiguous().flatten().view(torch.uint8).cpu().numpy().tobytes()
         return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+    def wanted(j: int) -> bool:
+        return only is None or j in only
 
     with torch.no_grad():
         if torch.cuda.is_available():
@@ -145,7 +174,7 @@ def _rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
                     out: dict[str, str] = {}
                     for j in range(min(prompt_tokens // n, len(ids))):
                         b = ids[j]
-                        if b == 0:
+                        if b == 0 or not wanted(j):
                             continue
                         out[str(j)] = digest(
                             torch.cat([s[b].flatten().view(torch.uint8) for s in kv])
@@ -165,7 +194,7 @@ def _rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
                 nblocks = -(-prompt_tokens // n)
                 for j in range(min(nblocks, len(ids))):
                     b = ids[j]
-                    if b == 0:
+                    if b == 0 or not wanted(j):
                         continue
                     k = min(n, prompt_tokens - j * n)
                     pages = kv[b * r : (b + 1) * r]  # (r, H, page, 2hs)
@@ -238,11 +267,9 @@ def _output(o: Any) -> dict[str, Any]:
     }
 
 
-def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
-    t_start = time.monotonic()
-    from vllm import LLM, SamplingParams
+def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> Any:
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     kw: dict[str, Any] = {
         "model": spec["model_dir"],
@@ -286,13 +313,32 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
         f"[gate] engine up in {result['engine_up_s']}s block_size={vc.cache_config.block_size}",
         flush=True,
     )
+    return llm
 
+
+def _init_weights(llm: Any, spec: dict[str, Any], result: dict[str, Any]) -> None:
     inits = [{"fingerprint": "dummy"}]  # weight_std null: keep the dummy weights (timing runs)
     if spec.get("weight_std") is not None:
         args = (spec["weight_seed"], spec["weight_std"])
         inits = llm.collective_rpc(_rpc_init_weights, args=args)
     result["weights"] = inits
     result["weights_fingerprint"] = ",".join(i["fingerprint"] for i in inits)
+
+
+# Roles that run the health request after the measured one. fault-store is a store engine
+# whose LMCache server fault_kill_mid_store.py SIGKILLs during the measured request: the
+# health request is then the "further request" that must finish within a bounded time.
+HEALTH_ROLES = ("restore", "cold", "fault-store")
+
+
+def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
+    t_start = time.monotonic()
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = _build_llm(spec, result, t_start)
+    vc = llm.llm_engine.vllm_config
+    _init_weights(llm, spec, result)
     result["model_runner"] = llm.collective_rpc(_rpc_install_block_hook)[0]
 
     greedy = SamplingParams(
@@ -307,8 +353,10 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
     llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], short, use_tqdm=False)
 
     t0 = time.perf_counter()
+    e0 = time.time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=spec["prompt"])], greedy, use_tqdm=False)
     result["gen_s"] = time.perf_counter() - t0
+    result["request_epoch"] = [e0, time.time()]
     result.update(_output(outs[0]))
     print(
         f"[gate] {spec['role']} gen_s={result['gen_s']:.3f} "
@@ -336,8 +384,9 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
             spec["l2_dir"], int(spec.get("l2_min_objects", 1)), server_log=spec.get("server_log")
         )
 
-    if spec["role"] in ("restore", "cold"):
+    if spec["role"] in HEALTH_ROLES:
         t1 = time.perf_counter()
+        e1 = time.time()
         try:
             h = llm.generate(
                 [TokensPrompt(prompt_token_ids=spec["health"])],
@@ -348,10 +397,262 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
             result["health"] = {"ok": len(toks) == 8, "tokens": toks, "s": time.perf_counter() - t1}
         except Exception as e:  # noqa: BLE001 - reported, judged by the gate
             result["health"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        result["health"]["epoch"] = [e1, time.time()]
     result["ok"] = True
     out_path.write_text(json.dumps(result))
     print(f"[gate] {spec['role']} done in {time.monotonic() - t_start:.1f}s", flush=True)
     # Graceful shutdown when it is quick; the watchdog ends a hung teardown.
+    threading.Timer(30.0, os._exit, args=(0,)).start()
+    del llm
+
+
+# ---------------------------------------------------------------------------------------
+# Role "load" (tests/gpu/load.py): many concurrent requests through LLMEngine
+# ---------------------------------------------------------------------------------------
+
+
+class PrefillTap:
+    """(local, external) cached prompt tokens per internal request id.
+
+    vLLM 0.26 attaches ``prefill_stats`` (num_local_cached_tokens: the engine's own prefix
+    cache; num_external_cached_tokens: the KV connector's, i.e. LMCache's) to a request's
+    first EngineCoreOutput, but RequestOutput only carries their sum. The tap wraps the
+    engine-core client's ``get_output`` (in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    and keeps the split.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.stats: dict[str, tuple[int, int]] = {}
+        self._orig = client.get_output
+        client.get_output = self._get_output
+
+    def _get_output(self) -> Any:
+        outs = self._orig()
+        for o in getattr(outs, "outputs", None) or []:
+            ps = getattr(o, "prefill_stats", None)
+            if ps is not None:
+                self.stats[o.request_id] = (
+                    int(ps.num_local_cached_tokens),
+                    int(ps.num_external_cached_tokens),
+                )
+        return outs
+
+
+def blocks_to_hash(
+    prompt_tokens: int,
+    block_size: int,
+    chunk: int,
+    local: int,
+    external: int,
+    keys: list[str],
+    hashed: dict[str, int],
+    ref_copies: int,
+) -> tuple[list[int], list[int]]:
+    """Prompt block indices to hash at a request's first token: (verify, reference).
+
+    verify: the blocks LMCache restored, [local, local + external) / N. reference: blocks
+    this request computed itself that lie in complete chunks (only those are ever stored
+    and restored), while this engine has hashed that prefix block fewer than ``ref_copies``
+    times (concurrent requests may compute the same prefix block in different batches).
+    """
+    n = block_size
+    full = prompt_tokens // n
+    stored = (prompt_tokens // chunk) * chunk // n
+    lo, hi = local // n, min((local + external) // n, full)
+    verify = list(range(lo, hi)) if external > 0 else []
+    start = (local + external) // n
+    ref = [j for j in range(start, min(stored, len(keys))) if hashed.get(keys[j], 0) < ref_copies]
+    return verify, ref
+
+
+def load_loop(
+    engine: Any,
+    render: Any,
+    params: Any,
+    hash_rpc: Any,
+    prefill: dict[str, tuple[int, int]],
+    spec: dict[str, Any],
+    emit: Any,
+    clock: Any = time.time,
+) -> dict[str, Any]:
+    """Keep ``concurrency`` requests in flight until ``stop_admitting_epoch``, then drain
+    until ``end_epoch``. Requests come from ``pool`` in ``sequence`` order. At each
+    request's first token (it is still running, so its blocks are held) the restored and
+    the newly computed prefix blocks are hashed (``blocks_to_hash``) and a "first" record
+    is emitted; a "done" record follows when it finishes."""
+    pool, keys, seq = spec["pool"], spec["block_keys"], spec["sequence"]
+    n, chunk, phase = int(spec["block_size"]), int(spec["chunk"]), int(spec["phase"])
+    conc, ref_copies = int(spec["concurrency"]), int(spec.get("ref_copies", 2))
+    stop_at, end_at = float(spec["stop_admitting_epoch"]), float(spec["end_epoch"])
+    hashed: dict[str, int] = {}
+    inflight: dict[str, dict[str, Any]] = {}
+    s: dict[str, Any] = {
+        "admitted": 0,
+        "first_tokens": 0,
+        "completed": 0,
+        "hash_s": 0.0,
+        "hash_errors": 0,
+        "no_prefill_stats": 0,
+        "stopped_at_end": False,
+        "load_start_epoch": clock(),
+    }
+    i = 0
+    while True:
+        now = clock()
+        if now >= end_at:
+            s["stopped_at_end"] = True
+            break
+        while len(inflight) < conc and now < stop_at:
+            idx = int(seq[i % len(seq)])
+            ext = f"{phase}-{i}"
+            rid = engine.add_request(ext, render(pool[idx]), params)
+            inflight[ext] = {"seq": i, "pool": idx, "rid": rid, "t_add": clock(), "first": None}
+            i += 1
+            s["admitted"] += 1
+        if not inflight:
+            break
+        outs = engine.step()
+        t = clock()
+        for ro in outs:
+            st = inflight.get(ro.request_id)
+            if st is None:
+                continue
+            toks = ro.outputs[0].token_ids if ro.outputs else []
+            if st["first"] is None and len(toks) > 0:
+                st["first"] = t
+                s["first_tokens"] += 1
+                rec = _first_record(
+                    st, ro, pool, keys, prefill, hashed, hash_rpc, n, chunk, ref_copies
+                )
+                rec["phase"] = phase
+                s["hash_s"] += rec["hash_s"]
+                s["hash_errors"] += bool(rec.get("hash_error"))
+                s["no_prefill_stats"] += rec["external"] is None
+                emit(rec)
+            if ro.finished:
+                met = getattr(ro, "metrics", None)
+                ttft = getattr(met, "first_token_latency", None) if met is not None else None
+                own = (st["first"] - st["t_add"]) if st["first"] is not None else None
+                emit(
+                    {
+                        "t": "done",
+                        "phase": phase,
+                        "seq": st["seq"],
+                        "pool": st["pool"],
+                        "t_done": t,
+                        "e2e_s": t - st["t_add"],
+                        "ttft_s": ttft if isinstance(ttft, (int, float)) and ttft > 0 else own,
+                        "ttft_own_s": own,
+                        "n_out": len(toks),
+                    }
+                )
+                s["completed"] += 1
+                del inflight[ro.request_id]
+    s["load_end_epoch"] = clock()
+    s["inflight_at_end"] = len(inflight)
+    return s
+
+
+def _first_record(
+    st: dict[str, Any],
+    ro: Any,
+    pool: list[list[int]],
+    keys: list[list[str]],
+    prefill: dict[str, tuple[int, int]],
+    hashed: dict[str, int],
+    hash_rpc: Any,
+    n: int,
+    chunk: int,
+    ref_copies: int,
+) -> dict[str, Any]:
+    idx, rid = st["pool"], st["rid"]
+    p = len(pool[idx])
+    split = prefill.pop(rid, None)
+    rec: dict[str, Any] = {
+        "t": "first",
+        "seq": st["seq"],
+        "pool": idx,
+        "P": p,
+        "local": split[0] if split else None,
+        "external": split[1] if split else None,
+        "cached": getattr(ro, "num_cached_tokens", None),
+        "t_add": st["t_add"],
+        "t_first": st["first"],
+        "verify": [],
+        "ref": [],
+        "hash_s": 0.0,
+    }
+    if split is None:
+        return rec
+    verify, ref = blocks_to_hash(p, n, chunk, split[0], split[1], keys[idx], hashed, ref_copies)
+    rec["verify"], rec["ref"] = verify, ref
+    if verify or ref:
+        t0 = time.perf_counter()
+        try:
+            reports = hash_rpc(rid, p, sorted(set(verify) | set(ref)))
+            rec["hashes"] = [
+                {k: r.get(k) for k in ("rank", "fa", "gdn", "missing") if k in r} for r in reports
+            ]
+            for j in ref:
+                hashed[keys[idx][j]] = hashed.get(keys[idx][j], 0) + 1
+        except Exception as e:  # noqa: BLE001 - recorded, the request still counts
+            rec["hash_error"] = f"{type(e).__name__}: {e}"[:500]
+        rec["hash_s"] = time.perf_counter() - t0
+    return rec
+
+
+def run_load(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
+    t_start = time.monotonic()
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = _build_llm(spec, result, t_start)
+    if result["cache_block_size"] != spec["block_size"]:
+        # load.py's block keys and hash ranges assume the gate's expected geometry
+        raise RuntimeError(
+            f"vLLM block size {result['cache_block_size']} != expected {spec['block_size']}"
+        )
+    _init_weights(llm, spec, result)
+    short = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], short, use_tqdm=False)
+    result["ready_epoch"] = time.time()
+
+    engine = llm.llm_engine
+    tap = PrefillTap(engine.engine_core)
+    params = SamplingParams(
+        max_tokens=spec["new_tokens"], temperature=0.0, detokenize=False, ignore_eos=True
+    )
+    # LLM.generate renders a prompt before LLMEngine.add_request; do the same (raw prompts
+    # are deprecated there).
+    pre = getattr(llm, "_preprocess_cmpl_one", None)
+
+    def render(tokens: list[int]) -> Any:
+        prompt = TokensPrompt(prompt_token_ids=list(tokens))
+        return pre(prompt) if pre is not None else prompt
+
+    rpc = llm.collective_rpc
+
+    def hash_rpc(req_id: str, prompt_tokens: int, only: list[int]) -> list[dict[str, Any]]:
+        return rpc(_rpc_block_hashes, args=(req_id, prompt_tokens, only))
+
+    with open(spec["records_path"], "a") as fh:
+
+        def emit(rec: dict[str, Any]) -> None:
+            fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            fh.flush()
+
+        result["load"] = load_loop(engine, render, params, hash_rpc, tap.stats, spec, emit)
+    print(f"[gate] load {result['load']}", flush=True)
+    if spec.get("l2_dir"):
+        # Keep the KV (read by the server through CUDA IPC) alive until the stores landed.
+        left = float(spec.get("exit_epoch", spec["end_epoch"])) - time.time()
+        wait = max(0.0, min(float(spec.get("l2_quiet_timeout", 15.0)), left))
+        result["l2_wait"] = _wait_l2(
+            spec["l2_dir"], 0, timeout=wait, server_log=spec.get("server_log")
+        )
+    result["ok"] = True
+    out_path.write_text(json.dumps(result))
+    print(f"[gate] load done in {time.monotonic() - t_start:.1f}s", flush=True)
     threading.Timer(30.0, os._exit, args=(0,)).start()
     del llm
 
@@ -361,7 +662,7 @@ def main() -> None:
     spec = json.loads(spec_path.read_text())
     result: dict[str, Any] = {"role": spec["role"], "ok": False}
     try:
-        run(spec, result, out_path)
+        (run_load if spec["role"] == "load" else run)(spec, result, out_path)
     except BaseException:  # noqa: BLE001 - the gate reads the traceback from OUT
         result["ok"] = False
         result["error"] = traceback.format_exc()[-6000:]

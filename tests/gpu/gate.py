@@ -624,14 +624,20 @@ def parse_l2_filename(name: str) -> dict[str, Any] | None:
     }
 
 
-def l2_inventory(root: Path) -> dict[str, Any]:
+def l2_inventory(root: Path, with_files: bool = False) -> dict[str, Any]:
+    """Objects (complete ``.data`` files) in an fs L2 folder; ``with_files`` adds
+    ``files``: {path relative to root: size} (load.py compares these across restarts)."""
     files = 0
     total = 0
     per_rank: dict[str, dict[str, int]] = {}
+    names: dict[str, int] = {}
     for p in Path(root).rglob("*"):
-        if not p.is_file():
+        try:
+            if not p.is_file():
+                continue
+            size = p.stat().st_size
+        except FileNotFoundError:  # renamed or removed by a live server meanwhile
             continue
-        size = p.stat().st_size
         meta = parse_l2_filename(p.name)
         if meta is None:
             continue
@@ -640,7 +646,12 @@ def l2_inventory(root: Path) -> dict[str, Any]:
         slot = per_rank.setdefault(str(meta["rank"]), {"objects": 0, "bytes": 0})
         slot["objects"] += 1
         slot["bytes"] += size
-    return {"objects": files, "bytes": total, "per_rank": per_rank}
+        if with_files:
+            names[str(p.relative_to(root))] = size
+    out: dict[str, Any] = {"objects": files, "bytes": total, "per_rank": per_rank}
+    if with_files:
+        out["files"] = names
+    return out
 
 
 def expected_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
@@ -925,6 +936,14 @@ def server_log_facts(text: str) -> dict[str, Any]:
         "errors": len(re.findall(r"\bERROR\b|Traceback", text)),
         "store_failures": text.count(STORE_FAILED),
     }
+
+
+L2_DISCARD = re.compile(r"is not an intact \d+-byte object|Incomplete (?:O_DIRECT )?read for")
+
+
+def l2_discards(server_log_text: str) -> int:
+    """Objects the fs adapter found damaged (short read, bad trailer) and removed."""
+    return len(L2_DISCARD.findall(server_log_text))
 
 
 def store_failures(server_log: Path | None) -> int:
