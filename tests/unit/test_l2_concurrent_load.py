@@ -1,0 +1,95 @@
+"""The fs L2 adapter reads the objects of one load task concurrently (patch 0007).
+
+A restore's prefetch is one load task over every chunk of the prompt. Pristine 0.5.3 reads them
+one file after another, and with patch 0004's trailer check each file's hash ran on the event
+loop between two reads, so the disk idled while the CPU hashed: on the H200 node the prefetch
+reached 1.1 GB/s of the disk's 1.96 (bench/fs_l2_read.py has the CPU-side study).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiofiles
+import pytest
+from l2_fakes import load, open_adapter, store
+
+N_OBJECTS = 8
+PAYLOADS = [bytes([i + 1]) * 4096 for i in range(N_OBJECTS)]
+
+
+class OpenReads:
+    """Counts object files open for reading at once; each open pauses a little so that
+    reads which the adapter would overlap do overlap."""
+
+    def __init__(self) -> None:
+        self.now = self.most = 0
+        self._lock = threading.Lock()
+        self._real_open = aiofiles.open
+
+    def open(self, path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = self._real_open(path, mode, *args, **kwargs)
+        return self._Counted(self, handle) if mode == "rb" else handle
+
+    class _Counted:
+        def __init__(self, reads: OpenReads, handle: Any) -> None:
+            self.reads, self.handle = reads, handle
+
+        async def __aenter__(self) -> Any:
+            with self.reads._lock:
+                self.reads.now += 1
+                self.reads.most = max(self.reads.most, self.reads.now)
+            await asyncio.sleep(0.05)
+            return await self.handle.__aenter__()
+
+        async def __aexit__(self, *exc: Any) -> Any:
+            try:
+                return await self.handle.__aexit__(*exc)
+            finally:
+                with self.reads._lock:
+                    self.reads.now -= 1
+
+
+@pytest.fixture
+def adapter(tmp_path: Path) -> Iterator[Any]:
+    adp = open_adapter(tmp_path / "l2")
+    try:
+        yield adp
+    finally:
+        adp.close()
+
+
+def _keys() -> list[Any]:
+    from lmcache.v1.distributed.api import ObjectKey
+
+    return [
+        ObjectKey(chunk_hash=bytes([i + 1]) * 16, model_name="dense", kv_rank=0)
+        for i in range(N_OBJECTS)
+    ]
+
+
+@pytest.mark.fix
+def test_one_load_task_reads_several_objects_at_once(adapter, monkeypatch):
+    keys = _keys()
+    store(adapter, keys, PAYLOADS)
+    reads = OpenReads()
+    monkeypatch.setattr(aiofiles, "open", reads.open)
+    hits, _ = load(adapter, keys, len(PAYLOADS[0]))
+    assert hits == [True] * N_OBJECTS
+    assert reads.most >= 2, "the adapter read the objects of one load task one at a time"
+
+
+def test_concurrent_load_keeps_every_object_in_its_own_buffer(adapter, tmp_path):
+    keys = _keys()
+    store(adapter, keys, PAYLOADS)
+    damaged = sorted((tmp_path / "l2").rglob("*.data"))[3]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    hits, bufs = load(adapter, keys, len(PAYLOADS[0]))
+    assert hits.count(False) == 1
+    for hit, buf, payload in zip(hits, bufs, PAYLOADS, strict=True):
+        if hit:
+            assert buf.data == payload
