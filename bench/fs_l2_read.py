@@ -449,7 +449,7 @@ def summary(arms: dict[str, dict[str, Any]]) -> str:
             f"{name}: adapter load {ab['gbps_median']} GB/s cold = {ab['vs_raw_seq']}x raw "
             f"buffered sequential {c['raw-seq']['gbps_median']} (passes {min(seq)}-{max(seq)}; "
             f"{par} {c[par]['gbps_median']}), "
-            f"verification {ab['verify_s']} of {ab['wall_s']} s on the event loop; best cold "
+            f"verification {ab['verify_s']} s (summed over objects) of {ab['wall_s']} s; best cold "
             f"variant {best_c} {c[best_c]['gbps_median']}; from the page cache as-built "
             f"{w['as-built']} vs raw {w['raw-seq']} GB/s, best {best_w} {w[best_w]}; blake3 "
             f"{b3['single_gbps']} GB/s single-threaded, {b3['max_threads_auto_gbps']} AUTO"
