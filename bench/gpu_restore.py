@@ -241,7 +241,9 @@ def gbps(nbytes: float, seconds: float) -> float | None:
 
 
 def transfer_rate(lines: Sequence[tuple[float, ...]], bytes_per_token: float) -> dict[str, Any]:
-    """Sum of (tokens, seconds) log lines -> bytes moved and GB/s while transferring."""
+    """Sum of (tokens, seconds) "Stored/Retrieved" log lines -> bytes and GB/s. The seconds
+    are the enqueue of asynchronous copies, so the rate is an enqueue rate, not a transfer
+    rate (kept for the record; reports use ``restore_breakdown``)."""
     tokens = sum(int(t[0]) for t in lines)
     secs = sum(float(t[1]) for t in lines)
     nbytes = tokens * bytes_per_token
