@@ -576,14 +576,7 @@ def evaluate_targets(results: dict[str, Any], arm: str = "patched") -> list[dict
     return out
 
 
-def _f(v: Any, nd: int = 3) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "NO"
-    if isinstance(v, float):
-        return f"{v:.{nd}g}"
-    return str(v)
+_f = gate.fmt
 
 
 def markdown_report(results: dict[str, Any]) -> str:

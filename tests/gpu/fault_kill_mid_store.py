@@ -28,7 +28,6 @@ Only the standard library is imported; the gate's helpers run the processes.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import shutil
@@ -223,8 +222,8 @@ def markdown_report(report: dict[str, Any]) -> str:
         b = ev.get(key)
         if b:
             lines.append(
-                f"| {label} latency s (bound) | {gate._fmt(b.get('latency_s'))} "
-                f"({gate._fmt(b.get('bound_s'))}) |"
+                f"| {label} latency s (bound) | {gate.fmt(b.get('latency_s'))} "
+                f"({gate.fmt(b.get('bound_s'))}) |"
             )
     if "hit_tokens" in ev:
         kv = ev.get("kv") or {}
@@ -466,19 +465,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.plan:
         print(json.dumps(config, indent=1))
         return 0
-    date = _dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
-    fc.out.mkdir(parents=True, exist_ok=True)
-    stem = fc.out / f"gpu-fault-kill-mid-store-{date}-{fc.arm}"
-    envinfo = gate.collect_environment(fc.python, fc.lmcache_dir)
-    report: dict[str, Any] = {
-        "schema": SCHEMA,
-        "arm": fc.arm,
-        "date": date,
-        "lmcache_dir": str(fc.lmcache_dir),
-        **envinfo,
-        "config": config,
-    }
-    problem = gate.arm_problem(fc.arm, envinfo["versions"], fc.lmcache_dir)
+    stem, header, problem = gate.start_report(
+        "gpu-fault-kill-mid-store", fc.arm, fc.python, fc.lmcache_dir, fc.out
+    )
+    report: dict[str, Any] = {"schema": SCHEMA, **header, "config": config}
     if problem:
         report["error"] = problem
         Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

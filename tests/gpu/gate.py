@@ -682,13 +682,14 @@ TABLE_COLUMNS = (
 )
 
 
-def _fmt(v: Any) -> str:
+def fmt(v: Any, digits: int = 3) -> str:
+    """A value in a results table: - for none, yes/NO, floats to ``digits`` digits."""
     if v is None:
         return "-"
     if isinstance(v, bool):
         return "yes" if v else "NO"
     if isinstance(v, float):
-        return f"{v:.3g}" if math.isfinite(v) else "inf"
+        return f"{v:.{digits}g}"
     return str(v)
 
 
@@ -696,7 +697,7 @@ def table_row(arm: str, rec: dict[str, Any]) -> list[str]:
     ev = rec.get("eval", {})
     g = rec["geometry"]
     lp = ev.get("logprobs_match")
-    lp_s = None if lp is None else f"{_fmt(lp)} ({_fmt(ev.get('logprob_max_diff'))})"
+    lp_s = None if lp is None else f"{fmt(lp)} ({fmt(ev.get('logprob_max_diff'))})"
     return [
         arm,
         rec["case"],
@@ -705,13 +706,13 @@ def table_row(arm: str, rec: dict[str, Any]) -> list[str]:
         rec["layout"],
         str(rec["chunk"]),
         str(rec["prompt_tokens"]),
-        _fmt(ev.get("hit_pct")),
-        _fmt(ev.get("restore_s")),
-        _fmt(ev.get("cold_s")),
-        _fmt(ev.get("bytes_match")),
-        _fmt(ev.get("tokens_match")),
-        _fmt(lp_s),
-        _fmt(ev.get("pass")) if ev.get("completed") else "ERROR",
+        fmt(ev.get("hit_pct")),
+        fmt(ev.get("restore_s")),
+        fmt(ev.get("cold_s")),
+        fmt(ev.get("bytes_match")),
+        fmt(ev.get("tokens_match")),
+        fmt(lp_s),
+        fmt(ev.get("pass")) if ev.get("completed") else "ERROR",
     ]
 
 
@@ -1248,6 +1249,24 @@ class ColdRuns:
             return result
 
 
+def start_report(
+    kind: str, arm: str, python: str, lmcache_dir: Path, out: Path
+) -> tuple[Path, dict[str, Any], str | None]:
+    """A run's results stem (``<out>/<kind>-<date>-<arm>``), its report header (date,
+    hardware, versions) and why the arm cannot run with ``lmcache_dir``, if it cannot."""
+    out.mkdir(parents=True, exist_ok=True)
+    date = _dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
+    envinfo = collect_environment(python, lmcache_dir)
+    report: dict[str, Any] = {
+        "arm": arm,
+        "date": date,
+        "lmcache_dir": str(lmcache_dir),
+        **envinfo,
+    }
+    problem = arm_problem(arm, envinfo["versions"], lmcache_dir)
+    return out / f"{kind}-{date}-{arm}", report, problem
+
+
 def run_matrix(
     cases: Iterable[Case],
     rc: RunConfig,
@@ -1261,20 +1280,8 @@ def run_matrix(
     """
     t0 = time.monotonic()
     cases = list(cases)
-    rc.out.mkdir(parents=True, exist_ok=True)
-    date = _dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
-    stem = rc.out / f"gpu-gate-{date}-{rc.arm}"
-    envinfo = collect_environment(rc.python, rc.lmcache_dir)
-    report: dict[str, Any] = {
-        "arm": rc.arm,
-        "date": date,
-        "lmcache_dir": str(rc.lmcache_dir),
-        **envinfo,
-        "cases": [],
-        "not_run": [],
-        "stopped_early": False,
-    }
-    problem = arm_problem(rc.arm, envinfo["versions"], rc.lmcache_dir)
+    stem, report, problem = start_report("gpu-gate", rc.arm, rc.python, rc.lmcache_dir, rc.out)
+    report.update(cases=[], not_run=[], stopped_early=False)
 
     def flush() -> None:
         report["elapsed_s"] = round(time.monotonic() - t0, 1)

@@ -36,7 +36,6 @@ is imported at module level (blake3 lazily, for the trailer check); vLLM runs in
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import hashlib
 import json
 import math
@@ -545,14 +544,7 @@ def analyze(
     }
 
 
-def _f(v: Any, digits: int = 3) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "NO"
-    if isinstance(v, float):
-        return f"{v:.{digits}g}"
-    return str(v)
+_f = gate.fmt
 
 
 def _lat(s: dict[str, Any]) -> str:
@@ -934,24 +926,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.lmcache_dir is None:
         ap.error("--lmcache-dir is required (except with --plan)")
-    date = _dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    stem = cfg.out / f"gpu-load-{date}-{cfg.arm}"
-    envinfo = gate.collect_environment(cfg.python, cfg.lmcache_dir)
-    report: dict[str, Any] = {
-        "schema": SCHEMA,
-        "arm": cfg.arm,
-        "date": date,
-        "lmcache_dir": str(cfg.lmcache_dir),
-        **envinfo,
-        "config": summary,
-    }
+    stem, header, problem = gate.start_report(
+        "gpu-load", cfg.arm, cfg.python, cfg.lmcache_dir, cfg.out
+    )
+    report: dict[str, Any] = {"schema": SCHEMA, **header, "config": summary}
 
     def flush() -> None:
         Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
         Path(f"{stem}.md").write_text(markdown_report(report))
 
-    problem = gate.arm_problem(cfg.arm, envinfo["versions"], cfg.lmcache_dir)
     if problem:
         report["error"] = problem
         flush()

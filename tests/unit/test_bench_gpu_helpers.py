@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from script_modules import BENCH_DIR, load_script
 
-BENCH = Path(__file__).resolve().parent.parent.parent / "bench" / "gpu_restore.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("hybridfa_bench_gpu", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["hybridfa_bench_gpu"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load()
+bench = load_script("hybridfa_bench_gpu", BENCH_DIR / "gpu_restore.py")
 gate = bench.gate
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -10,18 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-GPU_DIR = Path(__file__).resolve().parent.parent / "gpu"
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
+from script_modules import GPU_DIR
+from script_modules import load_script as _load
 
 gate = _load("hybridfa_gpu_gate", GPU_DIR / "gate.py")
 

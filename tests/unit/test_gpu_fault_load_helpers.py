@@ -4,7 +4,6 @@ process flow with fake servers and engines. No GPU, no vLLM engine."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,18 +15,8 @@ from types import SimpleNamespace as NS
 from typing import Any
 
 import pytest
-
-GPU_DIR = Path(__file__).resolve().parent.parent / "gpu"
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
+from script_modules import GPU_DIR
+from script_modules import load_script as _load
 
 load = _load("hybridfa_gpu_load", GPU_DIR / "load.py")
 fault = _load("hybridfa_gpu_fault", GPU_DIR / "fault_kill_mid_store.py")

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiofiles
 import pytest
-from l2_fakes import load, open_adapter, store
+from l2_fakes import load, store
 
 N_OBJECTS = 8
 PAYLOADS = [bytes([i + 1]) * 4096 for i in range(N_OBJECTS)]
@@ -52,15 +50,6 @@ class OpenReads:
             finally:
                 with self.reads._lock:
                     self.reads.now -= 1
-
-
-@pytest.fixture
-def adapter(tmp_path: Path) -> Iterator[Any]:
-    adp = open_adapter(tmp_path / "l2")
-    try:
-        yield adp
-    finally:
-        adp.close()
 
 
 def _keys() -> list[Any]:

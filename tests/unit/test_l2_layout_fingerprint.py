@@ -16,7 +16,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +30,6 @@ from l2_fakes import arm_env, load, lookup, open_adapter, store  # noqa: E402
 MODEL = "hybrid"  # the model name hybrid_kv.start_server registers
 HASHES = [bytes([i]) * 16 for i in range(1, 4)]
 PAYLOAD = bytes(range(256)) * 64
-
-
-@pytest.fixture
-def adapter(tmp_path: Path) -> Iterator[Any]:
-    adp = open_adapter(tmp_path / "l2")
-    try:
-        yield adp
-    finally:
-        adp.close()
 
 
 def server_keys(hashes: list[bytes]) -> list[Any]:

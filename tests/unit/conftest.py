@@ -1,0 +1,21 @@
+"""Fixtures shared by the CPU tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture
+def adapter(tmp_path: Path) -> Iterator[Any]:
+    """LMCache's real fs L2 adapter (FSL2Adapter) on ``tmp_path / "l2"``."""
+    from l2_fakes import open_adapter
+
+    adp = open_adapter(tmp_path / "l2")
+    try:
+        yield adp
+    finally:
+        adp.close()
