@@ -136,6 +136,7 @@ def test_prompt_lengths(n: int, chunk_blocks: int) -> None:
     assert gate.required_hit(p, c) >= gate.HIT_FRACTION * p
     # exact multiple: the last chunk is recomputed, so at most (m-1)*C can be required
     assert gate.required_hit(exact, c) == min(math.ceil(gate.HIT_FRACTION * exact), exact - c)
+    assert exact // c >= gate.EXACT_MIN_CHUNKS  # at least 3/4 of it restorable
 
 
 def test_case_selection() -> None:
@@ -234,6 +235,35 @@ def test_evaluate_case_pass_and_pristine_like_failure() -> None:
     ev = gate.evaluate_case(case, cold, store, bad)
     assert ev["completed"] and ev["bytes_match"] is False and not ev["pass"]
     assert ev["b"] and ev["c"] and ev["d"] and ev["e"]
+
+
+def test_evaluate_case_times_d_by_first_token() -> None:
+    """(d) compares prefill (TTFT), not TTFT plus the same decode steps on both sides."""
+    case = gate.Case("olmo-r5", "NHD", 1, False)
+    kv = [_hashes({"0": "a"}, {})]
+    cold = {**_engine([5], [], 3.0), "ttft_s": 1.0}
+    store = _engine([5], [], 3.0, kv=kv)
+    hit = case.prompt_tokens // 80 * 80
+    slow_decode = {**_engine([5], [], 3.2, cached=hit, kv=kv), "ttft_s": 0.4}
+    ev = gate.evaluate_case(case, cold, store, slow_decode)
+    assert ev["d"] and (ev["restore_s"], ev["cold_s"]) == (0.4, 1.0)
+    slow_prefill = {**_engine([5], [], 2.0, cached=hit, kv=kv), "ttft_s": 1.2}
+    assert not gate.evaluate_case(case, cold, store, slow_prefill)["d"]
+
+
+def test_evaluate_case_prefers_the_restore_engines_own_cold_prefill_for_d() -> None:
+    case = gate.Case("olmo-r5", "NHD", 1, False)
+    kv = [_hashes({"0": "a"}, {})]
+    hit = case.prompt_tokens // 80 * 80
+    cold = {**_engine([5], [], 3.0), "ttft_s": 0.5}  # another process, quieter moment
+    store = _engine([5], [], 3.0, kv=kv)
+    restore = {**_engine([5], [], 2.0, cached=hit, kv=kv), "ttft_s": 0.8}
+    restore["cold_reference"] = {"ttft_s": 1.6, "num_cached_tokens": 0}
+    ev = gate.evaluate_case(case, cold, store, restore)
+    assert ev["d"] and ev["cold_same_engine_s"] == 1.6
+    restore["cold_reference"] = {"ttft_s": 1.6, "num_cached_tokens": 80}  # not cold
+    ev = gate.evaluate_case(case, cold, store, restore)
+    assert ev["cold_same_engine_s"] is None and not ev["d"]
 
 
 def test_evaluate_case_criteria_c_d_and_errors() -> None:
@@ -554,3 +584,61 @@ def test_l2_wait_keeps_waiting_for_a_healthy_server(tmp_path: Path) -> None:
     got = gate.wait_l2_stable(l2, 5, timeout=2.0, quiet=0.5, server_log=log)
     assert not got["stable"] and "store_failures" not in got
     assert gate.wait_l2_stable(l2, 1, timeout=10.0, quiet=0.5, server_log=log)["stable"]
+
+
+FAKE_ENGINE = """
+import json, sys
+from pathlib import Path
+spec, out = Path(sys.argv[1]), Path(sys.argv[2])
+tries = spec.with_suffix(".tries")
+n = int(tries.read_text()) + 1 if tries.exists() else 1
+tries.write_text(str(n))
+if n <= int(json.loads(spec.read_text())["fail_times"]):
+    print("WorkerProc failed to start. ... code: -98, name: EADDRINUSE, message: address in use")
+    sys.exit(1)
+out.write_text(json.dumps({"ok": True, "try": n}))
+"""
+
+
+@pytest.mark.parametrize("fail_times,ok,attempts", [(0, True, 1), (1, True, 2), (2, False, 2)])
+def test_run_engine_starts_again_once_after_a_lost_port_race(
+    tmp_path: Path, monkeypatch, fail_times: int, ok: bool, attempts: int
+) -> None:
+    fake = tmp_path / "fake_engine.py"
+    fake.write_text(FAKE_ENGINE)
+    monkeypatch.setattr(gate, "ENGINE_PROC", fake)
+    res = gate.run_engine(sys.executable, {}, {"fail_times": fail_times}, tmp_path, "store", 30)
+    assert bool(res.get("ok")) is ok and res["attempts"] == attempts
+    assert (tmp_path / "store.port-race.log").exists() is (fail_times > 0)
+
+
+def test_run_engine_does_not_retry_other_failures(tmp_path: Path, monkeypatch) -> None:
+    fake = tmp_path / "fake_engine.py"
+    fake.write_text("import sys; print('CUDA error: invalid argument'); sys.exit(1)\n")
+    monkeypatch.setattr(gate, "ENGINE_PROC", fake)
+    res = gate.run_engine(sys.executable, {}, {}, tmp_path, "store", 30)
+    assert not res["ok"] and res["attempts"] == 1 and "invalid argument" in res["error"]
+
+
+def test_rebuild_report_evaluates_complete_case_folders_only(tmp_path: Path) -> None:
+    case = gate.Case("olmo-r5", "NHD", 1, False)
+    p = case.prompt_tokens
+    kv = [_hashes({"0": "a"}, {str(p // 80 - 1): "x"})]
+    lps = [{"5": -1.0}]
+    done = tmp_path / "work" / "patched" / case.case_id
+    done.mkdir(parents=True)
+    (done / "cold.json").write_text(json.dumps({**_engine([5], lps, 2.0), "ttft_s": 1.0}))
+    (done / "store.json").write_text(json.dumps(_engine([5], lps, 2.0, kv=kv)))
+    restore = {**_engine([5], lps, 1.0, cached=p // 80 * 80, kv=kv), "ttft_s": 0.4}
+    (done / "restore.json").write_text(json.dumps(restore))
+    (done / "server1.log").write_text("")
+    cut = tmp_path / "work" / "patched" / "olmo-r5-HND-c1N-offset"
+    cut.mkdir()
+    (cut / "store.json").write_text(json.dumps(_engine([5], lps, 2.0, kv=kv)))
+    header = tmp_path / "header.json"
+    header.write_text(json.dumps({"date": "D", "versions": {"vllm": "v"}, "hardware": {}}))
+    rep = gate.rebuild_report("patched", tmp_path / "work", header, tmp_path / "out")
+    assert [c["case"] for c in rep["cases"]] == [case.case_id]
+    assert rep["cases"][0]["eval"]["pass"] and rep["not_run"] == [cut.name]
+    md = Path(rep["md_path"]).read_text()
+    assert "rebuilt from the case folders" in md and rep["versions"] == {"vllm": "v"}
