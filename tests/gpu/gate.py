@@ -575,6 +575,10 @@ def evaluate_case(
     p = case.prompt_tokens
     hit = int(restore.get("num_cached_tokens") or 0)
     kv = compare_kv_hashes(store.get("kv_hashes"), restore.get("kv_hashes"), hit)
+    ranks = len(_ranks(store.get("kv_hashes")))
+    if ranks != case.tp:
+        kv["problems"].append(f"KV hashes from {ranks} rank(s), expected {case.tp}")
+        kv["match"] = False
     lp_ok, lp_diff = compare_logprobs(store["logprobs"], restore["logprobs"])
     out.update(
         prompt_tokens=p,

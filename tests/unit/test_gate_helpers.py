@@ -642,3 +642,17 @@ def test_rebuild_report_evaluates_complete_case_folders_only(tmp_path: Path) -> 
     assert rep["cases"][0]["eval"]["pass"] and rep["not_run"] == [cut.name]
     md = Path(rep["md_path"]).read_text()
     assert "rebuilt from the case folders" in md and rep["versions"] == {"vllm": "v"}
+
+
+def test_evaluate_case_needs_kv_hashes_from_every_tp_rank() -> None:
+    case = gate.Case("olmo-r5", "NHD", 1, False, tp=2)
+    p = case.prompt_tokens
+    gdn = {str(p // 80 - 1): "x"}
+    one_rank = [_hashes({"0": "a"}, gdn, 0)]
+    both = [_hashes({"0": "a"}, gdn, 0), _hashes({"0": "b"}, gdn, 1)]
+    cold = {**_engine([5], [], 3.0), "ttft_s": 2.0}
+    for hashes, ok in ((both, True), (one_rank, False)):
+        store = _engine([5], [], 3.0, kv=hashes)
+        restore = {**_engine([5], [], 1.0, cached=p // 80 * 80, kv=hashes), "ttft_s": 0.5}
+        ev = gate.evaluate_case(case, cold, store, restore)
+        assert ev["a"] is ok, ev["kv"]
