@@ -280,7 +280,8 @@ def _generate_timed(llm: Any, prompt: list[int], params: Any) -> tuple[Any, floa
     params = params.clone()
     params.output_kind = RequestOutputKind.CUMULATIVE
     t0 = time.perf_counter()
-    engine.add_request("timed-0", TokensPrompt(prompt_token_ids=prompt), params)
+    rid = f"timed-{time.monotonic_ns()}"  # one per call: an engine times several requests
+    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
     ttft: float | None = None
     while True:
         for o in engine.step():  # the only request in flight
