@@ -872,6 +872,7 @@ class Node:
     python: str = sys.executable
     engine_timeout: float = 560.0
     keep_page_cache: bool = False
+    profile: bool = False  # torch.profiler around each restore request
 
 
 def write_bench_model(m: gate.ModelSpec, root: Path) -> Path:
@@ -939,6 +940,9 @@ def _engine_summary(r: dict[str, Any] | None) -> dict[str, Any] | None:
         "cache_block_size",
         "mamba_page_size_padded",
         "l2_wait",
+        "ttft_s",
+        "timeline",
+        "profile",
         "health",
         "rc",
         "log_facts",
@@ -1040,7 +1044,10 @@ def run_store_restore_step(step: Step, node: Node) -> dict[str, Any]:
             restore = gate.run_engine(
                 node.python,
                 env,
-                bench_engine_spec(step, "restore", model_dir, port, None),
+                {
+                    **bench_engine_spec(step, "restore", model_dir, port, None),
+                    **({"profile_dir": str(wd / "profile")} if node.profile else {}),
+                },
                 wd,
                 "restore",
                 node.engine_timeout,
@@ -1071,6 +1078,7 @@ def run_store_restore_step(step: Step, node: Node) -> dict[str, Any]:
                 ),
             )
             rec["breakdown"] = restore_breakdown(rec)
+            rec["engine_timeline"] = restore.get("timeline")  # the engine's side of it
             if hit == 0:
                 rec["errors"].append("restore: no external hit")
     except gate.ServerError as e:
@@ -1317,6 +1325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="do not drop the L2 files from the page cache before the restore",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch.profiler around each restore request (trace and op tables in the step folder)",
+    )
     ap.add_argument("--plan", action="store_true", help="print steps, estimates, node calls")
     ap.add_argument("--budget-s", type=float, default=CALL_BUDGET_S)
     ap.add_argument("--report", type=Path, help="print the markdown report and targets of FILE")
@@ -1344,6 +1357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lmcache_dir=a.lmcache_dir.resolve(),
         work=a.work,
         keep_page_cache=a.keep_page_cache,
+        profile=a.profile,
     )
     copies = [a.out / a.results.name] if a.out else []
     gate.install_cleanup_handler()

@@ -18,6 +18,7 @@ what they need inside, so they also pickle by value into TP worker processes.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -267,11 +268,14 @@ def _output(o: Any) -> dict[str, Any]:
     }
 
 
-def _generate_timed(llm: Any, prompt: list[int], params: Any) -> tuple[Any, float, float]:
+def _generate_timed(
+    llm: Any, prompt: list[int], params: Any, steps: list[dict[str, float]] | None = None
+) -> tuple[Any, float, float]:
     """One request through LLMEngine's step loop: (final output, TTFT s, total s).
 
     LLM.generate only returns the finished request, so its wall time includes every decode
-    step; the prefill the gate compares is the time to the first token.
+    step; the prefill the gate compares is the time to the first token. ``steps`` gets each
+    engine step's start and duration (s from t0, perf_counter).
     """
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -284,12 +288,92 @@ def _generate_timed(llm: Any, prompt: list[int], params: Any) -> tuple[Any, floa
     engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
     ttft: float | None = None
     while True:
-        for o in engine.step():  # the only request in flight
+        ts = time.perf_counter()
+        outs = engine.step()  # the only request in flight
+        if steps is not None:
+            steps.append({"t": ts, "s": time.perf_counter() - ts})
+        for o in outs:
             if ttft is None and o.outputs and o.outputs[0].token_ids:
                 ttft = time.perf_counter() - t0
             if o.finished:
                 total = time.perf_counter() - t0
                 return o, (total if ttft is None else ttft), total
+
+
+def _time_lookups(llm: Any, calls: list[dict[str, Any]]) -> bool:
+    """Record every call of the scheduler-side connector's lookup (in-process engine core:
+    VLLM_ENABLE_V1_MULTIPROCESSING=0). A lookup returns None tokens while LMCache is still
+    bringing the chunks into L1; the scheduler asks again on the next step."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    if connector is None:
+        return False
+    from torch.profiler import record_function
+
+    lookup = connector.get_num_new_matched_tokens
+
+    def timed(request: Any, num_computed_tokens: int) -> Any:
+        t = time.perf_counter()
+        with record_function("hybridfa: connector lookup"):
+            res = lookup(request, num_computed_tokens)
+        calls.append({"t": t, "s": time.perf_counter() - t, "tokens": res[0]})
+        return res
+
+    connector.get_num_new_matched_tokens = timed
+    return True
+
+
+def restore_timeline(
+    t0: float, ttft: float, lookups: list[dict[str, Any]], steps: list[dict[str, float]]
+) -> dict[str, Any]:
+    """Where a restore's time to first token went, from the engine's side.
+
+    wait_for_hit: from the request's arrival to the lookup that first returned a token
+    count (LMCache was reading L2 until then); after_hit: the load into vLLM's KV cache,
+    the recomputed tail and the first token.
+    """
+    answered = [c for c in lookups if c["tokens"] is not None]
+    hit_at = answered[0]["t"] + answered[0]["s"] - t0 if answered else None
+    return {
+        "ttft_s": ttft,
+        "lookups": len(lookups),
+        "lookups_unanswered": len(lookups) - len(answered),
+        "lookup_call_s": round(sum(c["s"] for c in lookups), 6),
+        "hit_tokens": answered[0]["tokens"] if answered else None,
+        "wait_for_hit_s": hit_at,
+        "after_hit_s": None if hit_at is None else ttft - hit_at,
+        "steps": len(steps),
+        "longest_step_s": max((st["s"] for st in steps), default=None),
+    }
+
+
+def _profiled(spec: dict[str, Any], run_request: Any) -> tuple[Any, dict[str, Any] | None]:
+    """run_request() under torch.profiler when the spec names a profile_dir: a gzipped
+    Chrome trace and the top ops by host and by device time go there."""
+    out_dir = spec.get("profile_dir")
+    if not out_dir:
+        return run_request(), None
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        value = run_request()
+    trace = out / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+    averages = prof.key_averages()
+    for key, name in (("self_cpu_time_total", "cpu"), ("self_device_time_total", "device")):
+        try:
+            (out / f"ops-by-{name}.txt").write_text(averages.table(sort_by=key, row_limit=30))
+        except (AttributeError, KeyError, ValueError) as e:
+            (out / f"ops-by-{name}.txt").write_text(f"no table: {type(e).__name__}: {e}\n")
+    return value, {"dir": str(out), "trace": f"{trace}.gz"}
 
 
 def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> Any:
@@ -377,9 +461,17 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
 
     llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], short, use_tqdm=False)
 
+    lookups: list[dict[str, Any]] = []
+    steps: list[dict[str, float]] = []
+    timed_lookups = spec["role"] == "restore" and _time_lookups(llm, lookups)
     e0 = time.time()
-    out, result["ttft_s"], result["gen_s"] = _generate_timed(llm, spec["prompt"], greedy)
+    t0 = time.perf_counter()
+    (out, result["ttft_s"], result["gen_s"]), result["profile"] = _profiled(
+        spec, functools.partial(_generate_timed, llm, spec["prompt"], greedy, steps)
+    )
     result["request_epoch"] = [e0, time.time()]
+    if timed_lookups:
+        result["timeline"] = restore_timeline(t0, result["ttft_s"], lookups, steps)
     result.update(_output(out))
     print(
         f"[gate] {spec['role']} ttft_s={result['ttft_s']:.3f} gen_s={result['gen_s']:.3f} "
