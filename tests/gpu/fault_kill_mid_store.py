@@ -409,43 +409,25 @@ def run_fault(fc: FaultConfig, cold_runs: gate.ColdRuns) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arm", choices=("patched", "pristine"), default="patched")
-    ap.add_argument("--lmcache-dir", type=Path, help="folder holding the lmcache under test")
-    ap.add_argument("--out", type=Path, default=Path("results"))
-    ap.add_argument("--model", default="olmo-r5", choices=sorted(gate.MODELS))
-    ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
-    ap.add_argument("--chunk-blocks", type=int, default=1)
+    gate.add_case_args(ap, model="olmo-r5", work=Path("/tmp/hybridfa-gate"), kv_cache_gib=None)
     ap.add_argument("--prompt-tokens", type=int, default=None, help="default: >= 60 chunks")
     ap.add_argument("--kill-fraction", type=float, default=0.3)
     ap.add_argument("--heartbeat-s", type=float, default=2.0)
     ap.add_argument("--mq-timeout-s", type=float, default=60.0)
     ap.add_argument("--margin-s", type=float, default=10.0)
     ap.add_argument("--beats", type=float, default=3.0)
-    ap.add_argument("--kv-cache-gib", type=float, default=None)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-gate"))
-    ap.add_argument("--keep-l2", action="store_true")
     ap.add_argument("--plan", action="store_true", help="print the case and exit")
     a = ap.parse_args(argv)
     if a.lmcache_dir is None and not a.plan:
         ap.error("--lmcache-dir is required (except with --plan)")
     fc = FaultConfig(
-        arm=a.arm,
-        lmcache_dir=(a.lmcache_dir or Path(".")).resolve(),
-        out=a.out,
-        model=a.model,
-        layout=a.layout,
-        chunk_blocks=a.chunk_blocks,
+        **gate.case_args(a),
         prompt_tokens=a.prompt_tokens,
         kill_fraction=a.kill_fraction,
         heartbeat_s=a.heartbeat_s,
         mq_timeout_s=a.mq_timeout_s,
         margin_s=a.margin_s,
         beats=a.beats,
-        kv_cache_gib=a.kv_cache_gib,
-        gpu_memory_utilization=a.gpu_memory_utilization,
-        keep_l2=a.keep_l2,
-        work=a.work,
     )
     g = fc.case.geometry
     config = {

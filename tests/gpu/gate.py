@@ -1449,6 +1449,39 @@ def rebuild_report(arm: str, work: Path, header_from: Path, out: Path) -> dict[s
     return report
 
 
+def add_case_args(
+    ap: argparse.ArgumentParser, *, model: str, work: Path, kv_cache_gib: float | None
+) -> None:
+    """The options fault_kill_mid_store.py and load.py share: the arm, the lmcache under
+    test, where results and work go, and the one case they run."""
+    ap.add_argument("--arm", choices=("patched", "pristine"), default="patched")
+    ap.add_argument("--lmcache-dir", type=Path, help="folder holding the lmcache under test")
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--model", default=model, choices=sorted(MODELS))
+    ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
+    ap.add_argument("--chunk-blocks", type=int, default=1, help="LMCache chunk = this x N")
+    ap.add_argument("--kv-cache-gib", type=float, default=kv_cache_gib)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    ap.add_argument("--work", type=Path, default=work)
+    ap.add_argument("--keep-l2", action="store_true")
+
+
+def case_args(a: argparse.Namespace) -> dict[str, Any]:
+    """add_case_args' values, as keyword arguments of FaultConfig and LoadConfig."""
+    return {
+        "arm": a.arm,
+        "lmcache_dir": (a.lmcache_dir or Path(".")).resolve(),
+        "out": a.out,
+        "model": a.model,
+        "layout": a.layout,
+        "chunk_blocks": a.chunk_blocks,
+        "kv_cache_gib": a.kv_cache_gib,
+        "gpu_memory_utilization": a.gpu_memory_utilization,
+        "keep_l2": a.keep_l2,
+        "work": a.work,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arm", choices=("patched", "pristine"), required=True)

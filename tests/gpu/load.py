@@ -856,12 +856,7 @@ def config_summary(cfg: LoadConfig) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arm", choices=("patched", "pristine"), default="patched")
-    ap.add_argument("--lmcache-dir", type=Path, help="folder holding the lmcache under test")
-    ap.add_argument("--out", type=Path, default=Path("results"))
-    ap.add_argument("--model", default="olmo-r17", choices=sorted(gate.MODELS))
-    ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
-    ap.add_argument("--chunk-blocks", type=int, default=1, help="LMCache chunk = this x N")
+    gate.add_case_args(ap, model="olmo-r17", work=Path("/tmp/hybridfa-load"), kv_cache_gib=8.0)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--duration", type=float, default=600.0, help="seconds, restarts included")
     ap.add_argument("--restart-every", type=float, default=140.0, help="seconds per phase")
@@ -876,23 +871,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shared-fraction", type=float, default=0.75)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ref-copies", type=int, default=2)
-    ap.add_argument("--kv-cache-gib", type=float, default=8.0)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     ap.add_argument("--l1-size-gb", type=float, default=8.0)
     ap.add_argument("--no-verify-trailers", action="store_true")
-    ap.add_argument("--keep-l2", action="store_true")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-load"))
     ap.add_argument("--plan", action="store_true", help="print workload and phases; no GPU")
     a = ap.parse_args(argv)
     if a.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (KV is hashed while the request still runs)")
     cfg = LoadConfig(
-        arm=a.arm,
-        lmcache_dir=(a.lmcache_dir or Path(".")).resolve(),
-        out=a.out,
-        model=a.model,
-        layout=a.layout,
-        chunk_blocks=a.chunk_blocks,
+        **gate.case_args(a),
         concurrency=a.concurrency,
         duration=a.duration,
         restart_every=a.restart_every,
@@ -901,11 +887,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kill=a.kill,
         new_tokens=a.new_tokens,
         ref_copies=a.ref_copies,
-        kv_cache_gib=a.kv_cache_gib,
-        gpu_memory_utilization=a.gpu_memory_utilization,
         l1_size_gb=a.l1_size_gb,
         verify_trailers=not a.no_verify_trailers,
-        keep_l2=a.keep_l2,
         workload=Workload(
             families=a.families,
             members=a.members,
@@ -914,7 +897,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             shared_fraction=a.shared_fraction,
             seed=a.seed,
         ),
-        work=a.work,
     )
     summary = config_summary(cfg)
     if a.plan:
