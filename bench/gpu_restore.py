@@ -1112,6 +1112,32 @@ def _started_shapes(work: Path) -> set[str]:
         return set()
 
 
+def gpu_compute_pids() -> list[str]:
+    """PIDs with a CUDA context on any GPU (nvidia-smi), [] where there is none or no tool."""
+    try:
+        cp = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in cp.stdout.splitlines() if line.strip()]
+
+
+def wait_gpu_idle(timeout: float = 90.0, poll: float = 2.0) -> list[str]:
+    """Wait until no process holds the GPU; the PIDs still there at the timeout.
+
+    vLLM's startup memory check fails when another process frees GPU memory meanwhile,
+    e.g. the engines of a killed earlier run that are still exiting.
+    """
+    end = time.monotonic() + timeout
+    while (pids := gpu_compute_pids()) and time.monotonic() < end:
+        time.sleep(poll)
+    return pids
+
+
 def run_steps(
     steps: Sequence[Step],
     node: Node,
@@ -1157,6 +1183,10 @@ def run_steps(
         if max_seconds and i and elapsed + est > max_seconds:
             run["not_run"] = [x.id for x in todo[i:]]
             break
+        if s.uses_engine:
+            busy = wait_gpu_idle()
+            if busy:
+                print(f"[bench] {s.id}: GPU still busy ({busy}); vLLM may fail", flush=True)
         print(f"[bench] {s.id}: starting (estimate {est:.0f} s)", flush=True)
         ts = time.monotonic()
         rec = run_step(s, node, disk_gib)

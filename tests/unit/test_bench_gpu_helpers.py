@@ -294,3 +294,14 @@ def test_disk_probe_runs_on_any_filesystem(tmp_path: Path) -> None:
     assert res["cold_read"]["bytes"] == res["bytes"] == res["warm_read"]["bytes"]
     assert "gbps" in res["direct_read"] or "error" in res["direct_read"]
     assert not (tmp_path / "bench-disk-probe.bin").exists()
+
+
+def test_wait_gpu_idle_waits_for_exiting_processes(monkeypatch) -> None:
+    seen = [["4242", "4243"], ["4243"], []]
+    monkeypatch.setattr(bench, "gpu_compute_pids", lambda: seen.pop(0))
+    assert bench.wait_gpu_idle(timeout=5, poll=0) == [] and seen == []
+
+
+def test_wait_gpu_idle_gives_up_with_the_pids_left(monkeypatch) -> None:
+    monkeypatch.setattr(bench, "gpu_compute_pids", lambda: ["4242"])
+    assert bench.wait_gpu_idle(timeout=0.05, poll=0.01) == ["4242"]
