@@ -1115,15 +1115,9 @@ def _started_shapes(work: Path) -> set[str]:
 def gpu_compute_pids() -> list[str]:
     """PIDs with a CUDA context on any GPU (nvidia-smi), [] where there is none or no tool."""
     try:
-        cp = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        return gate.nvidia_smi("--query-compute-apps=pid", "--format=csv,noheader", timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return [line.strip() for line in cp.stdout.splitlines() if line.strip()]
 
 
 def wait_gpu_idle(timeout: float = 90.0, poll: float = 2.0) -> list[str]:

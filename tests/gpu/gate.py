@@ -1180,6 +1180,12 @@ def _slim(r: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: v for k, v in r.items() if k not in ("kv_hashes",)}
 
 
+def nvidia_smi(*args: str, timeout: float = 60.0) -> list[str]:
+    """nvidia-smi's non-empty output lines (OSError where there is no nvidia-smi)."""
+    cp = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=timeout)
+    return [ln.strip() for ln in cp.stdout.splitlines() if ln.strip()]
+
+
 def collect_environment(py: str, lmcache_dir: Path) -> dict[str, Any]:
     probe = r"""
 import importlib, importlib.metadata as md, importlib.util, json
@@ -1219,13 +1225,9 @@ print("GATE-ENV " + json.dumps(out))
         versions = {"probe_error": str(e)}
     hardware: dict[str, Any] = {}
     try:
-        cp = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=60,
+        hardware["gpus"] = nvidia_smi(
+            "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"
         )
-        hardware["gpus"] = [ln.strip() for ln in cp.stdout.splitlines() if ln.strip()]
     except (OSError, subprocess.TimeoutExpired) as e:
         hardware["gpus"] = f"nvidia-smi failed: {e}"
     return {"versions": versions, "hardware": hardware}
