@@ -305,7 +305,6 @@ def fault_spec(fc: FaultConfig, role: str, model_dir: Path, port: int | None) ->
         max_model_len=p + 4 * n,
         warmup=gate.make_prompt(max(16, case.chunk // 2), seed=2),
     )
-    spec.pop("cold_reference", None)  # the gate's (d) baseline; this script has no (d)
     if port is not None:
         spec["lmcache"]["extra_config"].update(
             {

@@ -1072,8 +1072,6 @@ def engine_spec(
             "module_path": CONNECTOR_MODULE,
             "extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port},
         }
-    if role == "restore":
-        spec["cold_reference"] = make_prompt(p, seed=4)
     if role == "store" and l2_dir is not None:
         spec["l2_dir"] = str(l2_dir)
         spec["l2_min_objects"] = (p // case.chunk) * case.tp
@@ -1144,7 +1142,11 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             restore = run_engine(
                 rc.python,
                 env,
-                engine_spec(case, "restore", model_dir, rc, port, None),
+                {
+                    **engine_spec(case, "restore", model_dir, rc, port, None),
+                    # (d)'s baseline: a cold prefill of the same length, in this engine
+                    "cold_reference": make_prompt(case.prompt_tokens, seed=4),
+                },
                 wd,
                 "restore",
                 rc.engine_timeout,
@@ -1309,6 +1311,19 @@ def start_report(
     return out / f"{kind}-{date}-{arm}", report, problem
 
 
+def write_report(report: dict[str, Any], stem: Path) -> None:
+    """Count the cases into ``summary`` and write ``<stem>.json`` and ``<stem>.md``."""
+    cases = report["cases"]
+    report["summary"] = {
+        "run": len(cases),
+        "passed": sum(bool(r["eval"].get("pass")) for r in cases),
+        "bytes_mismatch": sum(r["eval"].get("bytes_match") is False for r in cases),
+        "errors": sum(not r["eval"].get("completed") for r in cases),
+    }
+    Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    Path(f"{stem}.md").write_text(markdown_report(report))
+
+
 def run_matrix(
     cases: Iterable[Case],
     rc: RunConfig,
@@ -1327,14 +1342,7 @@ def run_matrix(
 
     def flush() -> None:
         report["elapsed_s"] = round(time.monotonic() - t0, 1)
-        report["summary"] = {
-            "run": len(report["cases"]),
-            "passed": sum(bool(r["eval"].get("pass")) for r in report["cases"]),
-            "bytes_mismatch": sum(r["eval"].get("bytes_match") is False for r in report["cases"]),
-            "errors": sum(not r["eval"].get("completed") for r in report["cases"]),
-        }
-        Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-        Path(f"{stem}.md").write_text(markdown_report(report))
+        write_report(report, stem)
 
     if problem:
         report["error"] = problem
@@ -1437,16 +1445,9 @@ def rebuild_report(arm: str, work: Path, header_from: Path, out: Path) -> dict[s
                 "engines": {"cold": _slim(cold), "store": _slim(store), "restore": _slim(restore)},
             }
         )
-    report["summary"] = {
-        "run": len(report["cases"]),
-        "passed": sum(bool(r["eval"].get("pass")) for r in report["cases"]),
-        "bytes_mismatch": sum(r["eval"].get("bytes_match") is False for r in report["cases"]),
-        "errors": sum(not r["eval"].get("completed") for r in report["cases"]),
-    }
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"gpu-gate-{report['date']}-{arm}-rebuilt"
-    Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    Path(f"{stem}.md").write_text(markdown_report(report))
+    write_report(report, stem)
     report["md_path"] = f"{stem}.md"
     return report
 
