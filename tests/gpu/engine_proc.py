@@ -28,6 +28,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+import gate  # noqa: E402  (stdlib only: the L2 folder helpers)
+
 # ---------------------------------------------------------------------------------------
 # Worker side (run through collective_rpc)
 # ---------------------------------------------------------------------------------------
@@ -210,23 +215,6 @@ def _hash_blocks(
 # ---------------------------------------------------------------------------------------
 
 
-def _l2_objects(root: str) -> tuple[int, int]:
-    n = total = 0
-    for p in Path(root).rglob("*.data"):
-        if p.is_file():
-            n += 1
-            total += p.stat().st_size
-    return n, total
-
-
-def _store_failures(server_log: str | None) -> int:
-    try:
-        text = Path(server_log).read_text(errors="replace") if server_log else ""
-    except OSError:
-        return 0
-    return text.count("Cannot store keys due to exception")
-
-
 def _wait_l2(
     root: str, min_objects: int, timeout: float = 90.0, server_log: str | None = None
 ) -> dict[str, Any]:
@@ -234,25 +222,9 @@ def _wait_l2(
     through CUDA IPC) alive until the chunks reached the server's L2 folder, or until the
     folder is quiet and the server logged failed stores (the rest will never come)."""
     t0 = time.monotonic()
-    last = _l2_objects(root)
-    since = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        time.sleep(0.5)
-        cur = _l2_objects(root)
-        if cur != last:
-            last, since = cur, time.monotonic()
-        elif time.monotonic() - since >= 3.0:
-            done = cur[0] >= min_objects
-            failed = 0 if done else _store_failures(server_log)
-            if done or failed:
-                return {
-                    "objects": cur[0],
-                    "bytes": cur[1],
-                    "waited_s": time.monotonic() - t0,
-                    "stable": done,
-                    "store_failures": failed,
-                }
-    return {"objects": last[0], "bytes": last[1], "waited_s": timeout, "stable": False}
+    log = Path(server_log) if server_log else None
+    res = gate.wait_l2_stable(Path(root), min_objects, timeout=timeout, server_log=log)
+    return {"store_failures": 0, **res, "waited_s": time.monotonic() - t0}
 
 
 def _output(o: Any) -> dict[str, Any]:
