@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -698,6 +699,20 @@ def _first_record(
     return rec
 
 
+def shift_deadlines(spec: dict[str, Any], ready_epoch: float) -> float:
+    """Move a phase's deadlines later when the engine got ready too late to admit load
+    for ``min_load_s`` before ``load_window_end_epoch`` (its first start on a fresh node
+    pays the JIT); returns the shift in seconds (0 when it was ready in time)."""
+    window_end = float(spec["load_window_end_epoch"])
+    shift = max(0.0, ready_epoch + float(spec.get("min_load_s", 0.0)) - window_end)
+    if shift:
+        for k in ("load_window_end_epoch", "stop_admitting_epoch", "end_epoch", "exit_epoch"):
+            spec[k] = float(spec[k]) + shift
+        if "kill_epoch" in spec:
+            spec["kill_epoch"] = float(spec["kill_epoch"]) + shift
+    return shift
+
+
 def run_load(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
     t_start = time.monotonic()
     from vllm import SamplingParams
@@ -713,6 +728,10 @@ def run_load(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> No
     short = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], short, use_tqdm=False)
     result["ready_epoch"] = time.time()
+    result["deadline_shift_s"] = shift_deadlines(spec, result["ready_epoch"])
+    if "kill_epoch" in spec:  # --kill hard: die mid-load the way a SIGKILL from outside would
+        delay = max(0.0, float(spec["kill_epoch"]) - time.time())
+        threading.Timer(delay, os.kill, args=(os.getpid(), signal.SIGKILL)).start()
 
     engine = llm.llm_engine
     tap = PrefillTap(engine.engine_core)

@@ -652,6 +652,11 @@ class LoadConfig:
     duration: float = 600.0
     restart_every: float = 140.0
     min_phase_s: float = 75.0
+    # A phase's engine that is ready late (FlashInfer JIT on a fresh node took 150 s) still
+    # admits load for min_load_s: its deadlines move later, and the parent waits up to
+    # start_allowance_s longer for it.
+    min_load_s: float = 45.0
+    start_allowance_s: float = 300.0
     drain_s: float = 25.0
     kill: str = "drain"  # drain | hard
     new_tokens: int = 8
@@ -694,12 +699,16 @@ def phase_spec(
         kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30) if cfg.kv_cache_gib else None,
     )
     spec = gate.engine_spec(case, "load", model_dir, rc, port, None)
+    kill: dict[str, float] = {}
     if cfg.kill == "drain":
         stop = phase_end - cfg.drain_s
         end = max(stop, phase_end - 10.0)  # drained or not, the loop ends here
         exit_ = max(end, phase_end - 2.0)  # then waits (at most until here) for L2 to settle
-    else:  # hard: the parent SIGKILLs the engine at phase_end, in the middle of the load
+        window_end = stop
+    else:  # hard: the engine SIGKILLs itself at kill_epoch, in the middle of the load
         stop = end = exit_ = phase_end + 3600.0
+        window_end = phase_end
+        kill = {"kill_epoch": phase_end}
     spec.update(
         role="load",
         phase=phase,
@@ -718,6 +727,9 @@ def phase_spec(
         stop_admitting_epoch=stop,
         end_epoch=end,
         exit_epoch=exit_,
+        load_window_end_epoch=window_end,
+        min_load_s=cfg.min_load_s,
+        **kill,
         records_path=str(wd / f"records-{phase}.jsonl"),
         l2_dir=str(l2),
         server_log=str(wd / f"server{phase}.log"),
@@ -765,8 +777,8 @@ def run_load(cfg: LoadConfig, report: dict[str, Any], flush: Any = None) -> dict
                 l1_size_gb=cfg.l1_size_gb,
             )
             spec = phase_spec(cfg, model_dir, port, phase, pool, keys, phase_end, wd, l2)
-            grace = 30.0 if cfg.kill == "drain" else 0.0
-            timeout = max(10.0, phase_end - time.time() + grace)
+            grace = 30.0 if cfg.kill == "drain" else 5.0
+            timeout = max(10.0, phase_end - time.time() + grace + cfg.start_allowance_s)
             eng = gate.run_engine(cfg.python, env, spec, wd, f"load{phase}", timeout)
             meta.update(
                 ok=bool(eng.get("ok")),
@@ -861,6 +873,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=600.0, help="seconds, restarts included")
     ap.add_argument("--restart-every", type=float, default=140.0, help="seconds per phase")
     ap.add_argument("--min-phase-s", type=float, default=75.0)
+    ap.add_argument(
+        "--min-load-s", type=float, default=45.0, help="load seconds even after a late start"
+    )
+    ap.add_argument("--start-allowance-s", type=float, default=300.0)
     ap.add_argument("--drain-s", type=float, default=25.0, help="--kill drain: stop admitting")
     ap.add_argument("--kill", choices=("drain", "hard"), default="drain")
     ap.add_argument("--new-tokens", type=int, default=8)
@@ -883,6 +899,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         duration=a.duration,
         restart_every=a.restart_every,
         min_phase_s=a.min_phase_s,
+        min_load_s=a.min_load_s,
+        start_allowance_s=a.start_allowance_s,
         drain_s=a.drain_s,
         kill=a.kill,
         new_tokens=a.new_tokens,

@@ -393,6 +393,8 @@ def test_phase_spec(tmp_path: Path) -> None:
     assert spec["role"] == "load" and spec["phase"] == 1 and spec["concurrency"] == 64
     assert spec["stop_admitting_epoch"] == 975.0 and spec["end_epoch"] == 990.0
     assert spec["exit_epoch"] == 998.0 and spec["log_stats"] and spec["new_tokens"] == 8
+    assert spec["load_window_end_epoch"] == 975.0 and spec["min_load_s"] == 45.0
+    assert "kill_epoch" not in spec
     assert spec["max_model_len"] >= max(len(e.tokens) for e in pool) + 8
     assert spec["max_num_batched_tokens"] == 2 * n - 1 and spec["kv_cache_memory_bytes"] == 8 << 30
     assert spec["lmcache"]["extra_config"]["lmcache.mp.port"] == 5555
@@ -401,7 +403,26 @@ def test_phase_spec(tmp_path: Path) -> None:
     assert other["sequence"] != spec["sequence"] and other["pool"] == spec["pool"]
     hard = load.LoadConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path, kill="hard")
     hs = load.phase_spec(hard, tmp_path, 1, 0, pool, keys, 1000.0, tmp_path, tmp_path)
-    assert hs["stop_admitting_epoch"] > 1000.0  # the parent's SIGKILL ends the phase
+    assert hs["stop_admitting_epoch"] > 1000.0  # the SIGKILL at kill_epoch ends the phase
+    assert hs["kill_epoch"] == hs["load_window_end_epoch"] == 1000.0
+
+
+def test_an_engine_ready_late_still_gets_its_minimum_load_window(tmp_path: Path) -> None:
+    # Session 5's first load run: the engine was ready 8 s after its phase's end (JIT on a
+    # fresh node), was killed by the parent's timeout, and the whole run admitted nothing.
+    cfg = load.LoadConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path, workload=W)
+    pool = load.make_pool(W, cfg.case.chunk)
+    keys = [load.block_keys(e.tokens, cfg.case.geometry.block_size) for e in pool]
+    spec = load.phase_spec(cfg, tmp_path, 1, 0, pool, keys, 1000.0, tmp_path, tmp_path)
+    assert engine_proc.shift_deadlines(dict(spec), 900.0) == 0.0  # ready in time
+    late = dict(spec)
+    shift = engine_proc.shift_deadlines(late, 1008.0)
+    assert shift == 1008.0 + 45.0 - 975.0
+    assert late["stop_admitting_epoch"] == 1053.0 and late["end_epoch"] == 990.0 + shift
+    assert late["exit_epoch"] == 998.0 + shift and late["load_window_end_epoch"] == 1053.0
+    hard_cfg = load.LoadConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path, kill="hard")
+    hard = load.phase_spec(hard_cfg, tmp_path, 1, 0, pool, keys, 1000.0, tmp_path, tmp_path)
+    assert engine_proc.shift_deadlines(hard, 990.0) == 35.0 and hard["kill_epoch"] == 1035.0
 
 
 # --- load.py's flow with a fake server and fake engines ---------------------------------
@@ -430,7 +451,7 @@ def _fake_load_engine(l2: Path, pool_keys, wrong: bool = False, lose: bool = Fal
             rows.append(_first(k, 0, 0, verify=range(2), ext=160, hashes=[_rep(got)], t=1.0))
             if lose and k == 1:
                 next(iter(sorted(l2.glob("*.data")))).unlink()
-        time.sleep(max(0.0, timeout - 30.0))  # the engine runs until its phase ends
+        time.sleep(max(0.0, spec["exit_epoch"] + 2.0 - time.time()))  # until its phase ends
         rows.append(_done(k, 0, 0, 0.3, 2.0))
         Path(spec["records_path"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return {
