@@ -4,10 +4,12 @@
 
 SPEC (written by gate.engine_spec): role cold|store|restore, model_dir, prompt/warmup/health
 token ids, engine knobs, optional "lmcache" connector settings, and for the store role the
-L2 folder to watch. Role fault-store (fault_kill_mid_store.py) is a store engine that runs
-the health request too and does not wait for L2; role load (load.py) keeps many requests in
-flight through LLMEngine and writes per-request records (see ``load_loop``). OUT gets a JSON
-result with "ok"; on failure "error" holds the traceback. The parent sets
+L2 folder to watch and "also_store" prompts; a restore spec may hold "warm_first" prompts
+(timed, before the measured one) and a "cold_reference" (timed, after it). Role
+fault-store (fault_kill_mid_store.py) is a store engine that runs the health request too
+and does not wait for L2; role load (load.py) keeps many requests in flight through
+LLMEngine and writes per-request records (see ``load_loop``). OUT gets a JSON result with
+"ok"; on failure "error" holds the traceback. The parent sets
 VLLM_KV_CACHE_LAYOUT, VLLM_ENABLE_V1_MULTIPROCESSING=0 and the PYTHONPATH (lmcache under
 test first).
 
@@ -433,6 +435,13 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
     short = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True)
 
     llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], short, use_tqdm=False)
+    for name, tokens in (spec.get("warm_first") or {}).items():
+        o, ttft, total = _generate_timed(llm, tokens, greedy)
+        result.setdefault("warm_first", {})[name] = {
+            "ttft_s": ttft,
+            "gen_s": total,
+            "num_cached_tokens": getattr(o, "num_cached_tokens", None),
+        }
 
     lookups: list[dict[str, Any]] = []
     steps: list[dict[str, float]] = []
@@ -476,6 +485,9 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
             "gen_s": total,
             "num_cached_tokens": getattr(ref, "num_cached_tokens", None),
         }
+
+    for tokens in spec.get("also_store") or []:
+        llm.generate([TokensPrompt(prompt_token_ids=tokens)], short, use_tqdm=False)
 
     if spec["role"] == "store" and spec.get("l2_dir"):
         result["l2_wait"] = _wait_l2(

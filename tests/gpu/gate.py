@@ -348,6 +348,12 @@ def _cold_reference_ttft(restore: dict[str, Any]) -> float | None:
     return float(ref["ttft_s"])
 
 
+def _first_restore_ttft(restore: dict[str, Any]) -> float | None:
+    """TTFT of the restore engine's first restore (another prompt, before the timed one)."""
+    first = (restore.get("warm_first") or {}).get("restore") or {}
+    return first.get("ttft_s") if first.get("num_cached_tokens") else None
+
+
 def prompt_key(tokens: Sequence[int]) -> str:
     """Key the worker-side hook uses to find a request's block table (ids are opaque)."""
     return f"{len(tokens)}:" + ",".join(str(t) for t in tokens[:16])
@@ -588,6 +594,7 @@ def evaluate_case(
         restore_s=_ttft(restore),
         cold_s=_ttft(cold),
         cold_same_engine_s=_cold_reference_ttft(restore),
+        first_restore_s=_first_restore_ttft(restore),
         kv=kv,
         bytes_match=kv["match"],
         tokens_match=store["tokens"] == restore["tokens"],
@@ -694,7 +701,7 @@ TABLE_COLUMNS = (
     "chunk",
     "prompt tokens",
     "hit %",
-    "restore TTFT s",
+    "restore TTFT s (warm / first in engine)",
     "cold TTFT s (restore engine / cold engine)",
     "bytes match",
     "tokens match",
@@ -728,7 +735,7 @@ def table_row(arm: str, rec: dict[str, Any]) -> list[str]:
         str(rec["chunk"]),
         str(rec["prompt_tokens"]),
         fmt(ev.get("hit_pct")),
-        fmt(ev.get("restore_s")),
+        " / ".join(fmt(v) for v in (ev.get("restore_s"), ev.get("first_restore_s")) if v) or "-",
         " / ".join(fmt(v) for v in (ev.get("cold_same_engine_s"), ev.get("cold_s")) if v) or "-",
         fmt(ev.get("bytes_match")),
         fmt(ev.get("tokens_match")),
@@ -1079,6 +1086,30 @@ def engine_spec(
     return spec
 
 
+def store_spec(
+    case: Case, model_dir: Path, rc: RunConfig, port: int, l2_dir: Path
+) -> dict[str, Any]:
+    """The store engine's spec: the measured prompt, then a second prompt of the same
+    length for the restore engine to restore first."""
+    spec = engine_spec(case, "store", model_dir, rc, port, l2_dir)
+    spec["also_store"] = [make_prompt(case.prompt_tokens, seed=6)]
+    spec["l2_min_objects"] *= 2
+    return spec
+
+
+def restore_spec(case: Case, model_dir: Path, rc: RunConfig, port: int) -> dict[str, Any]:
+    """The restore engine's spec. The first long requests of a fresh engine pay one-time
+    costs (Triton kernels, LMCache's first retrieve: 0.7-2.5 s on the H200, session 5), so
+    before the timed restore it restores store_spec's second prompt and cold-prefills a
+    third; the cold reference for (d) follows the timed restore."""
+    p = case.prompt_tokens
+    return {
+        **engine_spec(case, "restore", model_dir, rc, port, None),
+        "warm_first": {"restore": make_prompt(p, seed=6), "cold": make_prompt(p, seed=5)},
+        "cold_reference": make_prompt(p, seed=4),
+    }
+
+
 def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     t0 = time.monotonic()
     g = case.geometry
@@ -1118,16 +1149,10 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         port = free_port()
         srv = start_server(rc.python, env, port, case.chunk, l2, wd / "server1.log")
         servers.append(srv)
-        store = run_engine(
-            rc.python,
-            env,
-            engine_spec(case, "store", model_dir, rc, port, l2),
-            wd,
-            "store",
-            rc.engine_timeout,
-        )
+        sspec = store_spec(case, model_dir, rc, port, l2)
+        store = run_engine(rc.python, env, sspec, wd, "store", rc.engine_timeout)
         rec["l2_after_store"] = wait_l2_stable(
-            l2, (case.prompt_tokens // case.chunk) * case.tp, server_log=wd / "server1.log"
+            l2, sspec["l2_min_objects"], server_log=wd / "server1.log"
         )
         kill_group(srv)
         rec["server1"] = server_log_facts((wd / "server1.log").read_text(errors="replace"))
@@ -1142,11 +1167,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             restore = run_engine(
                 rc.python,
                 env,
-                {
-                    **engine_spec(case, "restore", model_dir, rc, port, None),
-                    # (d)'s baseline: a cold prefill of the same length, in this engine
-                    "cold_reference": make_prompt(case.prompt_tokens, seed=4),
-                },
+                restore_spec(case, model_dir, rc, port),
                 wd,
                 "restore",
                 rc.engine_timeout,

@@ -266,6 +266,38 @@ def test_evaluate_case_prefers_the_restore_engines_own_cold_prefill_for_d() -> N
     assert ev["cold_same_engine_s"] is None and not ev["d"]
 
 
+def test_the_restore_engine_warms_up_on_other_prompts_before_the_timed_restore(
+    tmp_path: Path,
+) -> None:
+    # Session 5: a fresh engine's first long request paid 0.7-2.5 s of one-time costs, so
+    # the timed restore (first) lost (d) to the cold reference (after it) in every case.
+    case = gate.Case("olmo-r17", "NHD", 1, True)
+    rc = gate.RunConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path)
+    store = gate.store_spec(case, tmp_path, rc, 1, tmp_path / "l2")
+    restore = gate.restore_spec(case, tmp_path, rc, 2)
+    first, warm_cold = restore["warm_first"]["restore"], restore["warm_first"]["cold"]
+    assert list(restore["warm_first"]) == ["restore", "cold"]  # in this order
+    assert store["also_store"] == [first] and store["l2_min_objects"] == 2 * (4352 // 544)
+    prompts = [store["prompt"], first, warm_cold, restore["cold_reference"]]
+    assert restore["prompt"] == store["prompt"]
+    assert {len(t) for t in prompts} == {case.prompt_tokens}
+    assert len({tuple(t[:64]) for t in prompts}) == 4  # no two share a prefix block
+
+
+def test_evaluate_case_reports_the_engines_first_restore() -> None:
+    case = gate.Case("olmo-r5", "NHD", 1, False)
+    kv = [_hashes({"0": "a"}, {})]
+    hit = case.prompt_tokens // 80 * 80
+    cold, store = _engine([5], [], 3.0), _engine([5], [], 3.0, kv=kv)
+    restore = {**_engine([5], [], 2.0, cached=hit, kv=kv), "ttft_s": 0.3}
+    restore["cold_reference"] = {"ttft_s": 0.5, "num_cached_tokens": 0}
+    restore["warm_first"] = {"restore": {"ttft_s": 1.4, "num_cached_tokens": hit}}
+    ev = gate.evaluate_case(case, cold, store, restore)
+    assert ev["d"] and ev["first_restore_s"] == 1.4
+    restore["warm_first"]["restore"]["num_cached_tokens"] = 0  # it restored nothing
+    assert gate.evaluate_case(case, cold, store, restore)["first_restore_s"] is None
+
+
 def test_evaluate_case_criteria_c_d_and_errors() -> None:
     case = gate.Case("olmo-r5", "NHD", 1, False)
     kv = [_hashes({"0": "a"}, {})]
