@@ -802,6 +802,9 @@ def child_env(lmcache_dir: Path | None, layout: str | None) -> dict[str, str]:
     # worker-side hooks see the same objects; callables are still allowed for TP > 1.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # Every Qwen3.5 engine re-ran Triton's autotuning of the GDN kernels (its cases took
+    # 340 s against 135-195 s for OlmoHybrid's, session 5): keep the results on disk.
+    env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if layout is not None:
         env["VLLM_KV_CACHE_LAYOUT"] = layout
     return env

@@ -361,6 +361,7 @@ def test_child_env_puts_lmcache_first(tmp_path: Path, monkeypatch: pytest.Monkey
     assert env["PYTHONPATH"].split(":") == [str(tmp_path.resolve()), "/tmp/site"]
     assert env["VLLM_KV_CACHE_LAYOUT"] == "HND"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["TRITON_CACHE_AUTOTUNING"] == "1"
 
 
 def test_core_matrix_covers_every_dimension_per_ratio() -> None:
