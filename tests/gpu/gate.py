@@ -440,6 +440,18 @@ def quick_matrix(tp: int = 1) -> list[Case]:
     ]
 
 
+def completed_cases(arm: str, folder: Path) -> set[str]:
+    """Case ids that completed (all three engines ran) in ``folder``'s reports of ``arm``."""
+    done: set[str] = set()
+    for path in sorted(folder.glob(f"gpu-gate-*-{arm}.json")):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        done |= {c["case"] for c in report.get("cases", []) if c.get("eval", {}).get("completed")}
+    return done
+
+
 def select_cases(selector: str, tp: int = 1) -> list[Case]:
     """quick | core | all | full | comma-separated case ids or regexes over case ids."""
     named = {"quick": quick_matrix, "core": core_matrix, "all": all_matrix, "full": full_matrix}
@@ -1544,6 +1556,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-gate"))
     ap.add_argument("--keep-l2", action="store_true")
+    ap.add_argument(
+        "--skip-done",
+        type=Path,
+        metavar="DIR",
+        help="leave out cases that completed in DIR's gpu-gate-*-ARM.json reports (DIR/*/ too)",
+    )
     ap.add_argument("--list", action="store_true", help="print the selected cases and exit")
     ap.add_argument(
         "--rebuild-from",
@@ -1562,6 +1580,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.jobs > 1 and not a.kv_cache_gib:
         ap.error("--jobs > 1 needs --kv-cache-gib (vLLM's profiling breaks under concurrency)")
     cases = select_cases(a.cases, a.tp)
+    if a.skip_done:
+        done = set().union(
+            *(completed_cases(a.arm, d) for d in (a.skip_done, *a.skip_done.glob("*/")))
+        )
+        cases = [c for c in cases if c.case_id not in done]
     if a.list:
         for c in cases:
             g = c.geometry

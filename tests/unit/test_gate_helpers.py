@@ -708,3 +708,26 @@ def test_restore_timeline_splits_ttft_at_the_first_answered_lookup() -> None:
 def test_restore_timeline_without_an_answer() -> None:
     tl = engine_proc.restore_timeline(0.0, 2.0, [{"t": 0.0, "s": 0.1, "tokens": None}], [])
     assert tl["wait_for_hit_s"] is None and tl["after_hit_s"] is None and tl["hit_tokens"] is None
+
+
+def test_skip_done_leaves_out_cases_completed_in_earlier_reports(tmp_path: Path, capsys) -> None:
+    def report(arm: str, cases: dict[str, bool]) -> str:
+        recs = [{"case": c, "eval": {"completed": ok}} for c, ok in cases.items()]
+        return json.dumps({"arm": arm, "cases": recs})
+
+    (tmp_path / "c3").mkdir()
+    (tmp_path / "gpu-gate-T1-patched.json").write_text(
+        report("patched", {"olmo-r5-NHD-c1N-offset": True})
+    )
+    (tmp_path / "c3" / "gpu-gate-T2-patched.json").write_text(
+        report("patched", {"olmo-r5-NHD-c1N-exact": True, "olmo-r5-NHD-c2N-offset": False})
+    )
+    (tmp_path / "gpu-gate-T3-pristine.json").write_text(
+        report("pristine", {"olmo-r5-NHD-c2N-exact": True})
+    )
+    (tmp_path / "gpu-gate-T4-patched.json").write_text("{cut by a kill")
+    assert gate.completed_cases("patched", tmp_path / "c3") == {"olmo-r5-NHD-c1N-exact"}
+    args = ["--arm", "patched", "--lmcache-dir", str(tmp_path), "--cases", "olmo-r5-NHD-.*"]
+    assert gate.main([*args, "--skip-done", str(tmp_path), "--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == ["olmo-r5-NHD-c2N-offset", "olmo-r5-NHD-c2N-exact"]
