@@ -1113,10 +1113,10 @@ def store_spec(
 
 
 def restore_spec(case: Case, model_dir: Path, rc: RunConfig, port: int) -> dict[str, Any]:
-    """The restore engine's spec. The first long requests of a fresh engine pay one-time
-    costs (Triton kernels, LMCache's first retrieve: 0.7-2.5 s on the H200, session 5), so
-    before the timed restore it restores store_spec's second prompt and cold-prefills a
-    third; the cold reference for (d) follows the timed restore."""
+    """The restore engine's spec. A fresh engine's first request of a new length paid
+    0.7-2.5 s more on the H200 (session 5; Triton compiling and autotuning GDN kernels per
+    shape, most likely), so before the timed restore it restores store_spec's second prompt
+    and cold-prefills a third; the cold reference for (d) follows the timed restore."""
     p = case.prompt_tokens
     return {
         **engine_spec(case, "restore", model_dir, rc, port, None),
