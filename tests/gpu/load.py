@@ -28,6 +28,10 @@ Usage on the GPU node (fits one 10-minute call with --duration 420 on a warm nod
     python3 tests/gpu/load.py --arm patched --lmcache-dir /tmp/lmc-patched --out $OUT \\
         --duration 420 --kv-cache-gib 8
 
+A 10-minute run takes two calls: ``--duration 600 --call-seconds 480`` ends the first
+between phases, and the same command with ``--resume`` in the next call continues it (the
+restart between the calls is one more restart; the second report covers the whole run).
+
 Here (CPU): ``--plan`` prints the workload and the phase plan. Only the standard library
 is imported at module level (blake3 lazily, for the trailer check); vLLM runs in
 ``engine_proc.py``.
@@ -657,6 +661,10 @@ class LoadConfig:
     # start_allowance_s longer for it.
     min_load_s: float = 45.0
     start_allowance_s: float = 300.0
+    # One node call lasts at most 10 min: a longer run is split over calls. call_seconds
+    # ends this invocation between phases; resume continues the run in the same folder.
+    call_seconds: float = 0.0
+    resume: bool = False
     drain_s: float = 25.0
     kill: str = "drain"  # drain | hard
     new_tokens: int = 8
@@ -739,28 +747,80 @@ def phase_spec(
     return spec
 
 
+class ResumeError(RuntimeError):
+    """--resume found no run to continue, or one with another configuration."""
+
+
+STATE_FILE = "state.json"
+
+
+def save_state(
+    wd: Path,
+    summary: dict[str, Any],
+    phases: list[dict[str, Any]],
+    snapshots: list[dict[str, int]],
+    elapsed_s: float,
+) -> None:
+    state = {"summary": summary, "phases": phases, "snapshots": snapshots, "elapsed_s": elapsed_s}
+    gate.atomic_write(wd / STATE_FILE, json.dumps(state, default=str))
+
+
+def load_state(wd: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """The state a previous call left in ``wd``; refuses another workload or model."""
+    try:
+        state = json.loads((wd / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"no load run to resume in {wd} ({e})") from e
+    was = state.get("summary") or {}
+    summary = json.loads(json.dumps(summary, default=str))  # tuples read back as lists
+    differ = sorted(k for k in set(was) | set(summary) if was.get(k) != summary.get(k))
+    if differ:
+        raise ResumeError(f"the run in {wd} had other settings: {', '.join(differ)}")
+    return state
+
+
 def run_load(cfg: LoadConfig, report: dict[str, Any], flush: Any = None) -> dict[str, Any]:
-    """All phases; fills ``report`` (phases, analysis) and returns it."""
-    t0 = time.time()
+    """Phases until ``duration`` (or this call's ``call_seconds``); fills ``report``
+    (phases, analysis) and returns it. With ``resume`` it continues the run in the work
+    folder: its phases, L2 snapshots and elapsed time carry on."""
+    t_call = time.time()
     case = cfg.case
     n, chunk = case.geometry.block_size, case.chunk
     wd = cfg.work / cfg.arm
-    shutil.rmtree(wd, ignore_errors=True)
     l2 = wd / "l2"
-    l2.mkdir(parents=True)
+    summary = config_summary(cfg)
+    phases: list[dict[str, Any]] = report.setdefault("phases", [])
+    snapshots: list[dict[str, int]] = []
+    before_s = 0.0
+    if cfg.resume:
+        state = load_state(wd, summary)
+        phases.extend(state["phases"])
+        snapshots = state["snapshots"]
+        before_s = float(state["elapsed_s"])
+    else:
+        shutil.rmtree(wd, ignore_errors=True)
+        l2.mkdir(parents=True)
+    t0 = t_call - before_s  # run time so far: earlier calls' plus this one's
+    call_end = t_call + cfg.call_seconds if cfg.call_seconds else None
     model_dir = gate.write_model_dir(case.spec, cfg.work / "models")
     env = gate.child_env(cfg.lmcache_dir, cfg.layout)
     pool = make_pool(cfg.workload, chunk)
     keys = [block_keys(e.tokens, n) for e in pool]
-    phases: list[dict[str, Any]] = report.setdefault("phases", [])
-    snapshots: list[dict[str, int]] = []
-    phase = 0
+    phase = len(phases)
+    finished = False
     while True:
+        elapsed = time.time() - t0
         end_rel = next_phase_end(
-            time.time() - t0, cfg.duration, cfg.restart_every, cfg.min_phase_s, first=phase == 0
+            elapsed, cfg.duration, cfg.restart_every, cfg.min_phase_s, first=phase == 0
         )
         if end_rel is None:
+            finished = True
             break
+        if call_end is not None:
+            room = call_end - time.time()
+            if room < cfg.min_phase_s:
+                break  # the rest of the run goes to the next call (--resume)
+            end_rel = min(end_rel, elapsed + room)
         phase_end = t0 + end_rel
         meta: dict[str, Any] = {"phase": phase, "start_s": round(time.time() - t0, 1)}
         phases.append(meta)
@@ -811,11 +871,13 @@ def run_load(cfg: LoadConfig, report: dict[str, Any], flush: Any = None) -> dict
             f"objects={inv['objects']}",
             flush=True,
         )
+        save_state(wd, summary, phases, snapshots, time.time() - t0)
         if flush:
             flush()
         phase += 1
         if meta.get("error") and not meta.get("load"):
-            break  # a phase that did not even start will not go better next time
+            finished = True  # a phase that did not even start will not go better next time
+            break
     records = []
     bad_lines = 0
     for k in range(len(phases)):
@@ -825,10 +887,17 @@ def run_load(cfg: LoadConfig, report: dict[str, Any], flush: Any = None) -> dict
     trailers = None
     if cfg.verify_trailers and snapshots:
         trailers = verify_trailers(l2, set().union(*snapshots))
-    report["analysis"] = analyze(phases, records, keys, snapshots, trailers)
-    report["analysis"]["cut_record_lines"] = bad_lines
+    a = report["analysis"] = analyze(phases, records, keys, snapshots, trailers)
+    a["cut_record_lines"] = bad_lines
+    a["finished"] = finished
+    if not finished:
+        a["problems"].append(
+            f"not finished: {time.time() - t0:.0f} of {cfg.duration:.0f} s run; "
+            "continue with --resume"
+        )
+        a["pass"] = False
     report["elapsed_s"] = round(time.time() - t0, 1)
-    if not cfg.keep_l2:
+    if finished and not cfg.keep_l2:
         shutil.rmtree(l2, ignore_errors=True)
     return report
 
@@ -877,6 +946,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--min-load-s", type=float, default=45.0, help="load seconds even after a late start"
     )
     ap.add_argument("--start-allowance-s", type=float, default=300.0)
+    ap.add_argument(
+        "--call-seconds",
+        type=float,
+        default=0.0,
+        help="end this invocation between phases after about this long (0: run to --duration)",
+    )
+    ap.add_argument(
+        "--resume", action="store_true", help="continue the run left in --work by an earlier call"
+    )
     ap.add_argument("--drain-s", type=float, default=25.0, help="--kill drain: stop admitting")
     ap.add_argument("--kill", choices=("drain", "hard"), default="drain")
     ap.add_argument("--new-tokens", type=int, default=8)
@@ -901,6 +979,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         min_phase_s=a.min_phase_s,
         min_load_s=a.min_load_s,
         start_allowance_s=a.start_allowance_s,
+        call_seconds=a.call_seconds,
+        resume=a.resume,
         drain_s=a.drain_s,
         kill=a.kill,
         new_tokens=a.new_tokens,
@@ -941,7 +1021,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"load: {problem}", file=sys.stderr)
         return 2
     gate.install_cleanup_handler()
-    run_load(cfg, report, flush)
+    try:
+        run_load(cfg, report, flush)
+    except ResumeError as e:
+        report["error"] = str(e)
+        flush()
+        print(f"load: {e}", file=sys.stderr)
+        return 2
     flush()
     print(Path(f"{stem}.md").read_text())
     return 0 if report["analysis"]["pass"] else 1

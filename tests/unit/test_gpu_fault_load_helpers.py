@@ -506,6 +506,68 @@ def test_load_flow_with_fakes(tmp_path: Path, monkeypatch, wrong: bool, lose: bo
     assert not l2.exists()  # removed unless --keep-l2
 
 
+def _fake_flow(tmp_path: Path, monkeypatch, l2: Path) -> list[int]:
+    servers: list[int] = []
+
+    def start_server(py, env, port, chunk, l2_dir, log, timeout=180.0, l1_size_gb=4):
+        log.write_text("Stored 80 tokens\n")
+        servers.append(port)
+        return _FakeProc()
+
+    monkeypatch.setattr(gate, "start_server", start_server)
+    monkeypatch.setattr(gate, "run_engine", _fake_load_engine(l2, None))
+    monkeypatch.setattr(gate, "kill_group", lambda proc: None)
+    return servers
+
+
+def test_a_run_split_over_two_calls_resumes_where_the_first_stopped(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # One node call lasts at most 10 min; issue 8 asks for 10 min of load with restarts.
+    def cfg(**kw: Any) -> Any:
+        return load.LoadConfig(
+            arm="patched",
+            lmcache_dir=tmp_path,
+            out=tmp_path,
+            model="olmo-r5",
+            concurrency=4,
+            duration=3.0,
+            restart_every=1.0,
+            min_phase_s=0.5,
+            workload=W,
+            work=tmp_path / "w",
+            **kw,
+        )
+
+    l2 = tmp_path / "w" / "patched" / "l2"
+    servers = _fake_flow(tmp_path, monkeypatch, l2)
+    first: dict[str, Any] = {}
+    load.run_load(cfg(call_seconds=1.6), first)
+    assert len(first["phases"]) == 2 and first["analysis"]["finished"] is False
+    assert not first["analysis"]["pass"] and "--resume" in first["analysis"]["problems"][-1]
+    assert l2.is_dir()  # kept for the next call
+    second: dict[str, Any] = {}
+    load.run_load(cfg(resume=True), second)
+    a = second["analysis"]
+    assert [m["phase"] for m in second["phases"]] == [0, 1, 2] and len(servers) == 3
+    assert a["finished"] and a["totals"]["restarts"] == 2 and a["pass"], a["problems"]
+    assert 2.9 <= second["elapsed_s"] < 4.0  # the first call's time counts
+    assert not l2.exists()
+
+
+def test_resume_refuses_a_missing_run_or_other_settings(tmp_path: Path, monkeypatch) -> None:
+    base = {"arm": "patched", "lmcache_dir": tmp_path, "out": tmp_path, "workload": W}
+    cfg = load.LoadConfig(**base, work=tmp_path / "w", resume=True)
+    with pytest.raises(load.ResumeError, match="no load run to resume"):
+        load.run_load(cfg, {})
+    wd = tmp_path / "w" / "patched"
+    wd.mkdir(parents=True)
+    other = load.LoadConfig(**base, concurrency=8)
+    load.save_state(wd, load.config_summary(other), [], [], 10.0)
+    with pytest.raises(load.ResumeError, match="other settings: concurrency"):
+        load.run_load(cfg, {})
+
+
 # --- engine_proc's load role ------------------------------------------------------------
 
 
