@@ -8,6 +8,10 @@ Pristine 0.5.3 never starts the scheduler's heartbeat (it tests an empty dict ag
 A lookup in flight when the server dies therefore blocks the scheduler, and with it every
 request of the engine, for the whole mq_timeout (300 s by default), and the adapter never sees
 the server come back.
+
+Patch 0008: while a restore's prefetch runs, vLLM asks once per scheduler step whether it
+has finished, and pristine blocks that step until the server replies (2.4 ms a call on the
+H200 during a 128k restore, 4100 calls). A slow reply must not hold the step.
 """
 
 from __future__ import annotations
@@ -38,7 +42,16 @@ def free_url() -> str:
 class LMCacheServerStub:
     """LMCache's MessageQueueServer answering the requests a scheduler adapter sends."""
 
-    def __init__(self, url: str, ctx: zmq.Context, hit_chunks: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        ctx: zmq.Context,
+        hit_chunks: int,
+        status_delay_s: float = 0.0,
+        running_replies: int = 0,
+    ) -> None:
+        self.status_queries = 0
+
         def get_chunk_size() -> int:
             return CHUNK
 
@@ -49,7 +62,9 @@ class LMCacheServerStub:
             return None
 
         def query_prefetch_status(request_id: str) -> int | None:
-            return hit_chunks
+            self.status_queries += 1
+            time.sleep(status_delay_s)
+            return None if self.status_queries <= running_replies else hit_chunks
 
         handlers = {
             RequestType.GET_CHUNK_SIZE: get_chunk_size,
@@ -101,13 +116,23 @@ def make_adapter(url: str, ctx: zmq.Context, mq_timeout: float):
 TOKENS = list(range(100, 100 + 4 * CHUNK))
 
 
+def poll_lookup(adapter, request_id: str, limit_s: float = 30.0) -> int | None:
+    """What vLLM's scheduler does: ask once per step until the answer is not None."""
+    deadline = time.monotonic() + limit_s
+    while (hit := adapter.check_lookup_result(request_id)) is None:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.001)
+    return hit
+
+
 def test_lookup_round_trip_with_a_live_server(ctx) -> None:
     url = free_url()
     server = LMCacheServerStub(url, ctx, hit_chunks=3)
     adapter = make_adapter(url, ctx, MQ_TIMEOUT_S)
     try:
         adapter.maybe_submit_lookup_request("req-1", TOKENS)
-        assert adapter.check_lookup_result("req-1") == 3 * CHUNK
+        assert poll_lookup(adapter, "req-1") == 3 * CHUNK
     finally:
         adapter.shutdown()
         server.die()
@@ -122,7 +147,7 @@ def test_lookup_in_flight_when_the_server_dies_gives_up_within_a_few_heartbeats(
         adapter.maybe_submit_lookup_request("req-1", TOKENS)
         server.die()
         t0 = time.monotonic()
-        hit = adapter.check_lookup_result("req-1")
+        hit = poll_lookup(adapter, "req-1")
         waited = time.monotonic() - t0
         assert hit == 0, "a dead server must read as a miss"
         assert waited < GIVE_UP_WITHIN_S, (
@@ -140,7 +165,7 @@ def test_lookups_resume_when_the_server_comes_back(ctx) -> None:
     try:
         adapter.maybe_submit_lookup_request("req-1", TOKENS)
         server.die()
-        assert adapter.check_lookup_result("req-1") == 0
+        assert poll_lookup(adapter, "req-1") == 0
         assert not adapter.is_healthy
         server = LMCacheServerStub(url, ctx, hit_chunks=2)
         deadline = time.monotonic() + 10 * HEARTBEAT_S
@@ -148,7 +173,33 @@ def test_lookups_resume_when_the_server_comes_back(ctx) -> None:
             time.sleep(0.05)
         assert adapter.is_healthy, "the adapter never saw the restarted server"
         adapter.maybe_submit_lookup_request("req-2", TOKENS)
-        assert adapter.check_lookup_result("req-2") == 2 * CHUNK
+        assert poll_lookup(adapter, "req-2") == 2 * CHUNK
+    finally:
+        adapter.shutdown()
+        server.die()
+
+
+@pytest.mark.fix
+def test_a_slow_prefetch_status_reply_does_not_hold_the_scheduler_step(ctx) -> None:
+    url = free_url()
+    # the prefetch is still running at the first reply; each reply takes 0.3 s
+    server = LMCacheServerStub(url, ctx, hit_chunks=3, status_delay_s=0.3, running_replies=1)
+    adapter = make_adapter(url, ctx, MQ_TIMEOUT_S)
+    try:
+        adapter.maybe_submit_lookup_request("req-1", TOKENS)
+        calls: list[float] = []
+        deadline = time.monotonic() + 10.0
+        hit = None
+        while hit is None and time.monotonic() < deadline:
+            t0 = time.monotonic()
+            hit = adapter.check_lookup_result("req-1")
+            calls.append(time.monotonic() - t0)
+            time.sleep(0.005)  # the rest of a scheduler step
+        assert hit == 3 * CHUNK
+        assert max(calls) < 0.1, (
+            f"a scheduler step waited {max(calls):.2f}s for a prefetch-status reply"
+        )
+        assert server.status_queries == 2  # one query in flight at a time, not one per call
     finally:
         adapter.shutdown()
         server.die()
