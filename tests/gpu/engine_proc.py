@@ -275,6 +275,16 @@ def _generate_timed(
                 return o, (total if ttft is None else ttft), total
 
 
+def _timed_summary(llm: Any, prompt: list[int], params: Any) -> dict[str, Any]:
+    """TTFT, request time and prompt tokens served from a cache of one timed request."""
+    out, ttft, total = _generate_timed(llm, prompt, params)
+    return {
+        "ttft_s": ttft,
+        "gen_s": total,
+        "num_cached_tokens": getattr(out, "num_cached_tokens", None),
+    }
+
+
 def _time_lookups(llm: Any, calls: list[dict[str, Any]]) -> bool:
     """Record every call of the scheduler-side connector's lookup (in-process engine core:
     VLLM_ENABLE_V1_MULTIPROCESSING=0). A lookup returns None tokens while LMCache is still
@@ -436,12 +446,7 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
 
     llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], short, use_tqdm=False)
     for name, tokens in (spec.get("warm_first") or {}).items():
-        o, ttft, total = _generate_timed(llm, tokens, greedy)
-        result.setdefault("warm_first", {})[name] = {
-            "ttft_s": ttft,
-            "gen_s": total,
-            "num_cached_tokens": getattr(o, "num_cached_tokens", None),
-        }
+        result.setdefault("warm_first", {})[name] = _timed_summary(llm, tokens, greedy)
 
     lookups: list[dict[str, Any]] = []
     steps: list[dict[str, float]] = []
@@ -479,12 +484,7 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
     if spec.get("cold_reference"):
         # The same prefill with nothing to restore, in this engine and under this load,
         # timed after the measured request (which so pays any first-use costs).
-        ref, ttft, total = _generate_timed(llm, spec["cold_reference"], greedy)
-        result["cold_reference"] = {
-            "ttft_s": ttft,
-            "gen_s": total,
-            "num_cached_tokens": getattr(ref, "num_cached_tokens", None),
-        }
+        result["cold_reference"] = _timed_summary(llm, spec["cold_reference"], greedy)
 
     for tokens in spec.get("also_store") or []:
         llm.generate([TokensPrompt(prompt_token_ids=tokens)], short, use_tqdm=False)

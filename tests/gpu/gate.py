@@ -444,10 +444,7 @@ def completed_cases(arm: str, folder: Path) -> set[str]:
     """Case ids that completed (all three engines ran) in ``folder``'s reports of ``arm``."""
     done: set[str] = set()
     for path in sorted(folder.glob(f"gpu-gate-*-{arm}.json")):
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+        report = _read_json(path) or {}
         done |= {c["case"] for c in report.get("cases", []) if c.get("eval", {}).get("completed")}
     return done
 
@@ -1101,13 +1098,17 @@ def engine_spec(
     return spec
 
 
+# The second stored prompt, which the restore engine restores before the timed one.
+WARM_RESTORE_SEED = 6
+
+
 def store_spec(
     case: Case, model_dir: Path, rc: RunConfig, port: int, l2_dir: Path
 ) -> dict[str, Any]:
     """The store engine's spec: the measured prompt, then a second prompt of the same
     length for the restore engine to restore first."""
     spec = engine_spec(case, "store", model_dir, rc, port, l2_dir)
-    spec["also_store"] = [make_prompt(case.prompt_tokens, seed=6)]
+    spec["also_store"] = [make_prompt(case.prompt_tokens, seed=WARM_RESTORE_SEED)]
     spec["l2_min_objects"] *= 2
     return spec
 
@@ -1120,7 +1121,10 @@ def restore_spec(case: Case, model_dir: Path, rc: RunConfig, port: int) -> dict[
     p = case.prompt_tokens
     return {
         **engine_spec(case, "restore", model_dir, rc, port, None),
-        "warm_first": {"restore": make_prompt(p, seed=6), "cold": make_prompt(p, seed=5)},
+        "warm_first": {
+            "restore": make_prompt(p, seed=WARM_RESTORE_SEED),
+            "cold": make_prompt(p, seed=5),
+        },
         "cold_reference": make_prompt(p, seed=4),
     }
 

@@ -464,9 +464,9 @@ def _fake_load_engine(l2: Path, pool_keys, wrong: bool = False, lose: bool = Fal
     return run_engine
 
 
-@pytest.mark.parametrize("wrong,lose", [(False, False), (True, False), (False, True)])
-def test_load_flow_with_fakes(tmp_path: Path, monkeypatch, wrong: bool, lose: bool) -> None:
-    cfg = load.LoadConfig(
+def _flow_config(tmp_path: Path, **kw: Any) -> Any:
+    """Three 1-second phases of the olmo-r5 load on the fakes below."""
+    return load.LoadConfig(
         arm="patched",
         lmcache_dir=tmp_path,
         out=tmp_path,
@@ -477,9 +477,17 @@ def test_load_flow_with_fakes(tmp_path: Path, monkeypatch, wrong: bool, lose: bo
         min_phase_s=0.5,
         workload=W,
         work=tmp_path / "w",
+        **kw,
     )
+
+
+def _fake_flow(
+    monkeypatch, cfg: Any, wrong: bool = False, lose: bool = False
+) -> tuple[list[int], list[Any]]:
+    """Fake servers and engines for load.run_load; returns (server ports, killed procs)."""
     l2 = cfg.work / "patched" / "l2"
     servers: list[int] = []
+    killed: list[Any] = []
 
     def start_server(py, env, port, chunk, l2_dir, log, timeout=180.0, l1_size_gb=4):
         assert l2_dir == l2 and chunk == 80 and l1_size_gb == cfg.l1_size_gb
@@ -487,10 +495,17 @@ def test_load_flow_with_fakes(tmp_path: Path, monkeypatch, wrong: bool, lose: bo
         servers.append(port)
         return _FakeProc()
 
-    killed: list[Any] = []
     monkeypatch.setattr(gate, "start_server", start_server)
     monkeypatch.setattr(gate, "run_engine", _fake_load_engine(l2, None, wrong, lose))
     monkeypatch.setattr(gate, "kill_group", killed.append)
+    return servers, killed
+
+
+@pytest.mark.parametrize("wrong,lose", [(False, False), (True, False), (False, True)])
+def test_load_flow_with_fakes(tmp_path: Path, monkeypatch, wrong: bool, lose: bool) -> None:
+    cfg = _flow_config(tmp_path)
+    l2 = cfg.work / "patched" / "l2"
+    servers, killed = _fake_flow(monkeypatch, cfg, wrong, lose)
     report: dict[str, Any] = {"arm": "patched", "date": "D"}
     load.run_load(cfg, report)
     a = report["analysis"]
@@ -506,48 +521,19 @@ def test_load_flow_with_fakes(tmp_path: Path, monkeypatch, wrong: bool, lose: bo
     assert not l2.exists()  # removed unless --keep-l2
 
 
-def _fake_flow(tmp_path: Path, monkeypatch, l2: Path) -> list[int]:
-    servers: list[int] = []
-
-    def start_server(py, env, port, chunk, l2_dir, log, timeout=180.0, l1_size_gb=4):
-        log.write_text("Stored 80 tokens\n")
-        servers.append(port)
-        return _FakeProc()
-
-    monkeypatch.setattr(gate, "start_server", start_server)
-    monkeypatch.setattr(gate, "run_engine", _fake_load_engine(l2, None))
-    monkeypatch.setattr(gate, "kill_group", lambda proc: None)
-    return servers
-
-
 def test_a_run_split_over_two_calls_resumes_where_the_first_stopped(
     tmp_path: Path, monkeypatch
 ) -> None:
     # One node call lasts at most 10 min; issue 8 asks for 10 min of load with restarts.
-    def cfg(**kw: Any) -> Any:
-        return load.LoadConfig(
-            arm="patched",
-            lmcache_dir=tmp_path,
-            out=tmp_path,
-            model="olmo-r5",
-            concurrency=4,
-            duration=3.0,
-            restart_every=1.0,
-            min_phase_s=0.5,
-            workload=W,
-            work=tmp_path / "w",
-            **kw,
-        )
-
     l2 = tmp_path / "w" / "patched" / "l2"
-    servers = _fake_flow(tmp_path, monkeypatch, l2)
+    servers, _ = _fake_flow(monkeypatch, _flow_config(tmp_path))
     first: dict[str, Any] = {}
-    load.run_load(cfg(call_seconds=1.6), first)
+    load.run_load(_flow_config(tmp_path, call_seconds=1.6), first)
     assert len(first["phases"]) == 2 and first["analysis"]["finished"] is False
     assert not first["analysis"]["pass"] and "--resume" in first["analysis"]["problems"][-1]
     assert l2.is_dir()  # kept for the next call
     second: dict[str, Any] = {}
-    load.run_load(cfg(resume=True), second)
+    load.run_load(_flow_config(tmp_path, resume=True), second)
     a = second["analysis"]
     assert [m["phase"] for m in second["phases"]] == [0, 1, 2] and len(servers) == 3
     assert a["finished"] and a["totals"]["restarts"] == 2 and a["pass"], a["problems"]
