@@ -780,6 +780,103 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def verdict(ev: dict[str, Any]) -> str:
+    """pass | fails (x) (y) | error: which of the criteria a-e a case missed."""
+    if not ev.get("completed"):
+        return "error"
+    if ev.get("pass"):
+        return "pass"
+    return "fails " + " ".join(f"({k})" for k in "abcde" if ev.get(k) is False)
+
+
+def restored_blocks(ev: dict[str, Any]) -> str:
+    """'FA 36/36, GDN 6/6' (blocks equal after the restore), or why nothing was compared."""
+    kv = ev.get("kv") or {}
+    if not ev.get("hit_tokens"):
+        return "nothing restored"
+    if kv.get("match") is None or "fa_blocks" not in kv:
+        return "-"
+    fa, gdn = kv["fa_blocks"], kv.get("gdn_blocks", 0)
+    return f"FA {fa - kv.get('fa_bad', 0)}/{fa}, GDN {gdn - kv.get('gdn_bad', 0)}/{gdn}"
+
+
+def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
+    """The full matrix, one row per case, from gate reports of both arms (given oldest
+    first): each arm's first completed run, and the verdicts of any later runs."""
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rep in reports:
+        for rec in rep.get("cases", []):
+            if rec.get("eval", {}).get("completed"):
+                runs.setdefault((rep["arm"], rec["case"]), []).append(rec)
+
+    def later(arm: str, case: str) -> str:
+        recs = runs.get((arm, case), [])[1:]
+        return "".join(
+            f"; rerun: {verdict(r['eval'])} ({fmt(r['eval'].get('restore_s'))} / "
+            f"{fmt(r['eval'].get('cold_same_engine_s'))})"
+            for r in recs
+        )
+
+    lines = ["# GPU restart gate: the full matrix", "", "Reports (oldest first):", ""]
+    for rep in reports:
+        v = rep.get("versions") or {}
+        gpus = (rep.get("hardware") or {}).get("gpus") or []
+        lines.append(
+            f"- {rep['arm']} {rep['date']}: lmcache {v.get('lmcache_dist', '?')}, vllm "
+            f"{v.get('vllm', '?')}, torch {v.get('torch', '?')}, flashinfer "
+            f"{v.get('flashinfer', '?')}; {len(gpus)} x {gpus[0] if gpus else '?'}; "
+            f"{len(rep.get('cases', []))} cases"
+        )
+    head = (
+        "case",
+        "N/page/r",
+        "layout",
+        "chunk",
+        "prompt",
+        "patched: hit %, blocks equal, tokens / logprobs",
+        "patched restore / cold TTFT s",
+        "patched",
+        "pristine: hit %, blocks equal",
+        "pristine",
+    )
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    tally = {arm: {"ran": 0, "pass": 0, "a": 0} for arm in ("patched", "pristine")}
+    for case in full_matrix(tp):
+        cid, g = case.case_id, case.geometry
+        row = [cid, f"{g.block_size}/{g.kernel_page}/{g.ratio}", case.layout]
+        row += [str(case.chunk), str(case.prompt_tokens)]
+        for arm in ("patched", "pristine"):
+            recs = runs.get((arm, cid))
+            if not recs:
+                row += ["not run", "-", "-"] if arm == "patched" else ["not run", "-"]
+                continue
+            ev = recs[0]["eval"]
+            if ev.get("completed") and not ev.get("hit_tokens"):
+                # Reports of session 2 counted an empty restore as (a) passed; the gate
+                # now fails (a) when nothing was restored (evaluate_case).
+                ev = {**ev, "a": False, "pass": False}
+            tally[arm]["ran"] += 1
+            tally[arm]["pass"] += bool(ev.get("pass"))
+            tally[arm]["a"] += ev.get("a") is False
+            seen = f"{fmt(ev.get('hit_pct'))}, {restored_blocks(ev)}"
+            if arm == "patched":
+                out = "equal" if ev.get("tokens_match") and ev.get("logprobs_match") else "differ"
+                times = f"{fmt(ev.get('restore_s'))} / {fmt(ev.get('cold_same_engine_s'))}"
+                row += [f"{seen}, {out}", times, verdict(ev) + later(arm, cid)]
+            else:
+                row += [seen, verdict(ev) + later(arm, cid)]
+        lines.append("| " + " | ".join(row) + " |")
+    n = len(full_matrix(tp))
+    p, q = tally["patched"], tally["pristine"]
+    lines += [
+        "",
+        f"- patched: {p['ran']} of {n} ran; {p['pass']} pass a-e on their first run; "
+        f"{p['a']} fail (a)",
+        f"- pristine: {q['ran']} of {n} ran; {q['pass']} pass; {q['a']} fail (a)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------------------
 # Processes (node side)
 # ---------------------------------------------------------------------------------------
@@ -1527,11 +1624,10 @@ def case_args(a: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arm", choices=("patched", "pristine"), required=True)
+    ap.add_argument("--arm", choices=("patched", "pristine"))
     ap.add_argument(
         "--lmcache-dir",
         type=Path,
-        required=True,
         help="folder holding the lmcache package under test (put first on "
         "PYTHONPATH of every engine and server)",
     )
@@ -1574,7 +1670,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="rebuild a lost report from WORK's case folders (no GPU; needs --header-from)",
     )
     ap.add_argument("--header-from", type=Path, help="a report of the same node and build")
+    ap.add_argument(
+        "--matrix",
+        type=Path,
+        nargs="+",
+        metavar="REPORT",
+        help="print the full matrix from these JSON reports of both arms, oldest first (no GPU)",
+    )
     a = ap.parse_args(argv)
+    if a.matrix:
+        reports = [_read_json(p) for p in a.matrix]
+        if None in reports:
+            ap.error(f"unreadable report among {[str(p) for p in a.matrix]}")
+        print(matrix_report([r for r in reports if r is not None], a.tp), end="")
+        return 0
+    if a.arm is None or a.lmcache_dir is None:
+        ap.error("--arm and --lmcache-dir are required (except with --matrix)")
     if a.rebuild_from:
         if not a.header_from:
             ap.error("--rebuild-from needs --header-from")

@@ -731,3 +731,33 @@ def test_skip_done_leaves_out_cases_completed_in_earlier_reports(tmp_path: Path,
     assert gate.main([*args, "--skip-done", str(tmp_path), "--list"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed == ["olmo-r5-NHD-c2N-offset", "olmo-r5-NHD-c2N-exact"]
+
+
+def _matrix_rec(case: str, failed: str = "", **ev: object) -> dict[str, object]:
+    """A completed gate record that misses the criteria named in ``failed``."""
+    base = {"completed": True, "hit_tokens": 4000, "hit_pct": 97.0, "restore_s": 0.1}
+    base.update(cold_same_engine_s=0.3, tokens_match=True, logprobs_match=True)
+    base.update({k: k not in failed for k in "abcde"}, kv={"match": True, "fa_blocks": 8})
+    base["pass"] = not failed
+    return {"case": case, "eval": {**base, **ev}}
+
+
+def test_matrix_report_shows_first_runs_reruns_and_empty_restores_as_failed_a() -> None:
+    first = _matrix_rec("olmo-r5-NHD-c1N-offset", "d")
+    rerun = _matrix_rec("olmo-r5-NHD-c1N-offset", restore_s=0.05)
+    # A session-2 pristine record: nothing restored, yet (a) recorded as passed.
+    empty = _matrix_rec("olmo-r5-HND-c1N-offset", "cd", hit_tokens=0)
+    reports = [
+        {"arm": "patched", "date": "T1", "versions": {"lmcache_dist": "x.7"}, "cases": [first]},
+        {"arm": "patched", "date": "T2", "cases": [rerun]},
+        {"arm": "pristine", "date": "T0", "cases": [empty]},
+    ]
+    md = gate.matrix_report(reports)
+    rows = {line.split(" | ")[0][2:]: line for line in md.splitlines() if line.startswith("| ")}
+    assert "fails (d); rerun: pass (0.05 / 0.3)" in rows["olmo-r5-NHD-c1N-offset"]
+    assert "nothing restored | fails (a) (c) (d)" in rows["olmo-r5-HND-c1N-offset"]
+    assert "| not run |" in rows["qwen35-r25-HND-c2N-exact"]
+    assert len(rows) == 1 + len(gate.full_matrix())  # the header row, then every case
+    assert "- patched: 1 of 48 ran; 0 pass a-e on their first run; 0 fail (a)" in md
+    assert "- pristine: 1 of 48 ran; 0 pass; 1 fail (a)" in md
+    assert "lmcache x.7" in md
