@@ -5,7 +5,8 @@
 SPEC (written by gate.engine_spec): role cold|store|restore, model_dir, prompt/warmup/health
 token ids, engine knobs, optional "lmcache" connector settings, and for the store role the
 L2 folder to watch and "also_store" prompts; a restore spec may hold "warm_first" prompts
-(timed, before the measured one) and a "cold_reference" (timed, after it). Role
+(timed, before the measured one), a "cold_reference" (timed, after it) and "timed_pairs"
+(a restore and a cold prefill each, timed after that). Role
 fault-store (fault_kill_mid_store.py) is a store engine that runs the health request too
 and does not wait for L2; role load (load.py) keeps many requests in flight through
 LLMEngine and writes per-request records (see ``load_loop``). OUT gets a JSON result with
@@ -485,6 +486,10 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
         # The same prefill with nothing to restore, in this engine and under this load,
         # timed after the measured request (which so pays any first-use costs).
         result["cold_reference"] = _timed_summary(llm, spec["cold_reference"], greedy)
+    for pair in spec.get("timed_pairs") or []:
+        # (d)'s repeats: a restore of another stored prompt, then a cold prefill, in turn.
+        timed = {name: _timed_summary(llm, tokens, greedy) for name, tokens in pair.items()}
+        result.setdefault("timed_pairs", []).append(timed)
 
     for tokens in spec.get("also_store") or []:
         llm.generate([TokensPrompt(prompt_token_ids=tokens)], short, use_tqdm=False)

@@ -17,7 +17,8 @@ Pass (per case):
   (c) external hit >= min(97 % of the prompt, floor((P-1)/C)*C) -- the second term
       is the most a hybrid connector can promise: the last prompt token is always
       recomputed, so an exact multiple of the chunk recomputes its final chunk;
-  (d) restore wall time < cold wall time (same request, same 16 generated tokens);
+  (d) restore TTFT < cold prefill TTFT: medians of D_REPEATS each, timed in turn in the
+      restore engine (a different stored, resp. unstored, prompt of the same length each);
   (e) the health request completes.
 
 Usage on the GPU node (see ``--help``)::
@@ -42,6 +43,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -334,6 +336,10 @@ def required_hit(prompt_tokens: int, chunk: int, hit_fraction: float = HIT_FRACT
     return min(math.ceil(hit_fraction * prompt_tokens), max_promisable_hit(prompt_tokens, chunk))
 
 
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def _ttft(engine: dict[str, Any]) -> float | None:
     """Time to the first token (engine_proc's ttft_s); whole-request time from older runs."""
     v = engine.get("ttft_s")
@@ -346,6 +352,26 @@ def _cold_reference_ttft(restore: dict[str, Any]) -> float | None:
     if ref.get("ttft_s") is None or ref.get("num_cached_tokens"):
         return None
     return float(ref["ttft_s"])
+
+
+def d_timings(restore: dict[str, Any]) -> tuple[list[float], list[float], list[str]]:
+    """The restore engine's TTFTs that (d) compares: every timed restore of a stored prompt
+    (the measured one, then ``timed_pairs``) and every cold prefill of an unstored one (the
+    cold reference, then the pairs'); plus problems (a repeat that missed or hit a cache)."""
+    restores = [t] if (t := _ttft(restore)) is not None else []
+    colds = [t] if (t := _cold_reference_ttft(restore)) is not None else []
+    problems = []
+    for i, pair in enumerate(restore.get("timed_pairs") or [], 1):
+        r, c = pair.get("restore") or {}, pair.get("cold") or {}
+        if r.get("ttft_s") is None or not r.get("num_cached_tokens"):
+            problems.append(f"repeat {i}: its restore restored nothing")
+        else:
+            restores.append(float(r["ttft_s"]))
+        if c.get("ttft_s") is None or c.get("num_cached_tokens"):
+            problems.append(f"repeat {i}: its cold prefill hit a cache")
+        else:
+            colds.append(float(c["ttft_s"]))
+    return restores, colds, problems
 
 
 def _first_restore_ttft(restore: dict[str, Any]) -> float | None:
@@ -589,6 +615,8 @@ def evaluate_case(
 
     p = case.prompt_tokens
     hit = int(restore.get("num_cached_tokens") or 0)
+    restore_runs, cold_runs, timing_problems = d_timings(restore)
+    out["errors"] += timing_problems
     kv = compare_kv_hashes(store.get("kv_hashes"), restore.get("kv_hashes"), hit)
     ranks = len(_ranks(store.get("kv_hashes")))
     if ranks != case.tp:
@@ -600,9 +628,11 @@ def evaluate_case(
         hit_tokens=hit,
         hit_pct=round(100.0 * hit / p, 2),
         required_hit=required_hit(p, case.chunk),
-        restore_s=_ttft(restore),
+        restore_s=_median(restore_runs),
+        restore_runs_s=restore_runs,
         cold_s=_ttft(cold),
-        cold_same_engine_s=_cold_reference_ttft(restore),
+        cold_same_engine_s=_median(cold_runs),
+        cold_same_engine_runs_s=cold_runs,
         first_restore_s=_first_restore_ttft(restore),
         kv=kv,
         bytes_match=kv["match"],
@@ -624,8 +654,9 @@ def evaluate_case(
     out["a"] = bool(kv["match"])
     out["b"] = out["tokens_match"] and lp_ok
     out["c"] = hit > 0 and hit >= out["required_hit"]
-    # (d) against the cold prefill timed in the restore engine itself, seconds later and
-    # under the same load, when there is one; the separate cold engine ran at another time.
+    # (d) against the cold prefills timed in the restore engine itself, interleaved with its
+    # restores and under the same load, when there are any (medians of each side); the
+    # separate cold engine ran at another time.
     baseline = out["cold_same_engine_s"] or out["cold_s"]
     out["d"] = out["restore_s"] is not None and baseline is not None and out["restore_s"] < baseline
     out["e"] = out["health_ok"]
@@ -710,8 +741,8 @@ TABLE_COLUMNS = (
     "chunk",
     "prompt tokens",
     "hit %",
-    "restore TTFT s (warm / first in engine)",
-    "cold TTFT s (restore engine / cold engine)",
+    "restore TTFT s (warm, median / first in engine)",
+    "cold TTFT s (restore engine, median / cold engine)",
     "bytes match",
     "tokens match",
     "logprobs match",
@@ -1197,16 +1228,23 @@ def engine_spec(
 
 # The second stored prompt, which the restore engine restores before the timed one.
 WARM_RESTORE_SEED = 6
+# (d) compares medians of D_REPEATS restores and as many cold prefills. One of each was
+# noise where the margin is small: in session 6, two r=25 cases with 0.12-0.28 s cold
+# prefills missed by 0.03 s under 18 concurrent cases, and one passed when rerun alone.
+# (restore seed, cold seed) of the repeats after the first pair:
+D_REPEAT_SEEDS = ((7, 9), (8, 10))
+D_REPEATS = 1 + len(D_REPEAT_SEEDS)
 
 
 def store_spec(
     case: Case, model_dir: Path, rc: RunConfig, port: int, l2_dir: Path
 ) -> dict[str, Any]:
-    """The store engine's spec: the measured prompt, then a second prompt of the same
-    length for the restore engine to restore first."""
+    """The store engine's spec: the measured prompt, then prompts of the same length for
+    the restore engine to restore before it (warm-up) and after it ((d)'s repeats)."""
     spec = engine_spec(case, "store", model_dir, rc, port, l2_dir)
-    spec["also_store"] = [make_prompt(case.prompt_tokens, seed=WARM_RESTORE_SEED)]
-    spec["l2_min_objects"] *= 2
+    seeds = (WARM_RESTORE_SEED, *(r for r, _ in D_REPEAT_SEEDS))
+    spec["also_store"] = [make_prompt(case.prompt_tokens, seed=s) for s in seeds]
+    spec["l2_min_objects"] *= 1 + len(seeds)
     return spec
 
 
@@ -1214,7 +1252,8 @@ def restore_spec(case: Case, model_dir: Path, rc: RunConfig, port: int) -> dict[
     """The restore engine's spec. A fresh engine's first request of a new length paid
     0.7-2.5 s more on the H200 (session 5; Triton compiling and autotuning GDN kernels per
     shape, most likely), so before the timed restore it restores store_spec's second prompt
-    and cold-prefills a third; the cold reference for (d) follows the timed restore."""
+    and cold-prefills a third; the cold reference for (d) follows the timed restore, then
+    the repeats: a restore of another stored prompt and a cold prefill, D_REPEATS - 1 times."""
     p = case.prompt_tokens
     return {
         **engine_spec(case, "restore", model_dir, rc, port, None),
@@ -1223,6 +1262,10 @@ def restore_spec(case: Case, model_dir: Path, rc: RunConfig, port: int) -> dict[
             "cold": make_prompt(p, seed=5),
         },
         "cold_reference": make_prompt(p, seed=4),
+        "timed_pairs": [
+            {"restore": make_prompt(p, seed=r), "cold": make_prompt(p, seed=c)}
+            for r, c in D_REPEAT_SEEDS
+        ],
     }
 
 

@@ -277,11 +277,16 @@ def test_the_restore_engine_warms_up_on_other_prompts_before_the_timed_restore(
     restore = gate.restore_spec(case, tmp_path, rc, 2)
     first, warm_cold = restore["warm_first"]["restore"], restore["warm_first"]["cold"]
     assert list(restore["warm_first"]) == ["restore", "cold"]  # in this order
-    assert store["also_store"] == [first] and store["l2_min_objects"] == 2 * (4352 // 544)
-    prompts = [store["prompt"], first, warm_cold, restore["cold_reference"]]
+    pairs = restore["timed_pairs"]
+    assert len(pairs) == gate.D_REPEATS - 1 and all(list(p) == ["restore", "cold"] for p in pairs)
+    # Every prompt the restore engine restores was stored, and the store waits for all of it.
+    assert store["also_store"] == [first] + [p["restore"] for p in pairs]
+    assert store["l2_min_objects"] == (1 + len(store["also_store"])) * (4352 // 544)
+    prompts = [store["prompt"], *store["also_store"], warm_cold, restore["cold_reference"]]
+    prompts += [p["cold"] for p in pairs]
     assert restore["prompt"] == store["prompt"]
     assert {len(t) for t in prompts} == {case.prompt_tokens}
-    assert len({tuple(t[:64]) for t in prompts}) == 4  # no two share a prefix block
+    assert len({tuple(t[:64]) for t in prompts}) == len(prompts)  # no two share a prefix block
 
 
 def test_evaluate_case_reports_the_engines_first_restore() -> None:
@@ -761,3 +766,53 @@ def test_matrix_report_shows_first_runs_reruns_and_empty_restores_as_failed_a() 
     assert "- patched: 1 of 48 ran; 0 pass a-e on their first run; 0 fail (a)" in md
     assert "- pristine: 1 of 48 ran; 0 pass; 1 fail (a)" in md
     assert "lmcache x.7" in md
+
+
+def test_d_compares_medians_of_the_repeated_restores_and_cold_prefills() -> None:
+    # Session 6: one restore against one cold prefill lost by 0.03 s under load, and
+    # passed when rerun alone; one slow outlier on the restore side no longer decides (d).
+    case = gate.Case("olmo-r5", "NHD", 1, True)
+    kv = [_hashes({"0": "a"}, {})]
+    hit = case.prompt_tokens - 80
+    cold, store = _engine([5], [], 3.0), _engine([5], [], 3.0, kv=kv)
+    restore = {**_engine([5], [], 2.0, cached=hit, kv=kv), "ttft_s": 0.185}  # the outlier
+    restore["cold_reference"] = {"ttft_s": 0.155, "num_cached_tokens": 0}
+    pairs = [((0.11, hit), (0.15, 0)), ((0.12, hit), (0.16, 0))]
+    restore["timed_pairs"] = [
+        {
+            "restore": {"ttft_s": r, "num_cached_tokens": rc},
+            "cold": {"ttft_s": c, "num_cached_tokens": cc},
+        }
+        for (r, rc), (c, cc) in pairs
+    ]
+    ev = gate.evaluate_case(case, cold, store, restore)
+    assert ev["restore_runs_s"] == [0.185, 0.11, 0.12] and ev["restore_s"] == 0.12
+    assert (
+        ev["cold_same_engine_runs_s"] == [0.155, 0.15, 0.16] and ev["cold_same_engine_s"] == 0.155
+    )
+    assert ev["d"] and not ev["errors"]
+    restore.pop("timed_pairs")  # one of each, as before: the outlier decides
+    assert not gate.evaluate_case(case, cold, store, restore)["d"]
+
+
+def test_a_repeat_that_restored_nothing_or_hit_a_cache_is_an_error() -> None:
+    case = gate.Case("olmo-r5", "NHD", 1, False)
+    kv = [_hashes({"0": "a"}, {})]
+    hit = case.prompt_tokens // 80 * 80
+    cold, store = _engine([5], [], 3.0), _engine([5], [], 3.0, kv=kv)
+    restore = {**_engine([5], [], 2.0, cached=hit, kv=kv), "ttft_s": 0.3}
+    restore["cold_reference"] = {"ttft_s": 1.0, "num_cached_tokens": 0}
+    restore["timed_pairs"] = [
+        {
+            "restore": {"ttft_s": 0.9, "num_cached_tokens": 0},
+            "cold": {"ttft_s": 0.2, "num_cached_tokens": 80},
+        }
+    ]
+    ev = gate.evaluate_case(case, cold, store, restore)
+    assert ev["errors"] == [
+        "repeat 1: its restore restored nothing",
+        "repeat 1: its cold prefill hit a cache",
+    ]
+    assert (
+        not ev["pass"] and ev["restore_runs_s"] == [0.3] and ev["cold_same_engine_runs_s"] == [1.0]
+    )
