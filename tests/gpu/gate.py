@@ -811,6 +811,38 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def expected_pristine_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
+    """Pristine 0.5.3's object: every GDN page, but 1 kernel page of r per FA block."""
+    r = expected_geometry(m, tp).ratio
+    fa_bytes = (m.num_hidden_layers // 4) * chunk * attn_bytes_per_token(m, tp)  # 3:1 hybrid
+    return expected_chunk_bytes(m, chunk, tp) - fa_bytes * (r - 1) // r
+
+
+def chunk_bytes_table(runs: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
+    """Bytes of one L2 chunk object per model and chunk, measured (the first run that
+    stored any) against expected, patched and pristine."""
+    seen: dict[tuple[str, int], dict[str, float]] = {}
+    for (arm, _), recs in sorted(runs.items()):
+        per = recs[0].get("l2_bytes_per_object")
+        if per:
+            seen.setdefault((recs[0]["model"], recs[0]["chunk"]), {}).setdefault(arm, per)
+    lines = [
+        "| model | N/page/r | chunk | patched expected | patched L2 object | pristine expected "
+        "| pristine L2 object | pristine / patched |",
+        "|" + "---|" * 8,
+    ]
+    for (model, chunk), arms in sorted(seen.items()):
+        m, g = MODELS[model], expected_geometry(MODELS[model])
+        patched, pristine = arms.get("patched"), arms.get("pristine")
+        ratio = fmt(pristine / patched) if patched and pristine else "-"
+        cells = [model, f"{g.block_size}/{g.kernel_page}/{g.ratio}", str(chunk)]
+        cells += [f"{expected_chunk_bytes(m, chunk):,}", f"{patched:,.0f}" if patched else "-"]
+        cells += [f"{expected_pristine_chunk_bytes(m, chunk):,}"]
+        cells += [f"{pristine:,.0f}" if pristine else "-", ratio]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def verdict(ev: dict[str, Any]) -> str:
     """pass | fails (x) (y) | error: which of the criteria a-e a case missed."""
     if not ev.get("completed"):
@@ -904,6 +936,13 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
         f"- patched: {p['ran']} of {n} ran; {p['pass']} pass a-e on their first run; "
         f"{p['a']} fail (a)",
         f"- pristine: {q['ran']} of {n} ran; {q['pass']} pass; {q['a']} fail (a)",
+        "",
+        "## Bytes per L2 chunk object",
+        "",
+        "Patched objects carry patch 0004's 40-byte trailer; pristine moves 1 FA kernel page "
+        "of r per block (HND pristine cases store nothing).",
+        "",
+        *chunk_bytes_table(runs),
     ]
     return "\n".join(lines) + "\n"
 

@@ -762,7 +762,7 @@ def test_matrix_report_shows_first_runs_reruns_and_empty_restores_as_failed_a() 
     assert "fails (d); rerun: pass (0.05 / 0.3)" in rows["olmo-r5-NHD-c1N-offset"]
     assert "nothing restored | fails (a) (c) (d)" in rows["olmo-r5-HND-c1N-offset"]
     assert "| not run |" in rows["qwen35-r25-HND-c2N-exact"]
-    assert len(rows) == 1 + len(gate.full_matrix())  # the header row, then every case
+    assert {c.case_id for c in gate.full_matrix()} <= set(rows)  # every case has its row
     assert "- patched: 1 of 48 ran; 0 pass a-e on their first run; 0 fail (a)" in md
     assert "- pristine: 1 of 48 ran; 0 pass; 1 fail (a)" in md
     assert "lmcache x.7" in md
@@ -816,3 +816,26 @@ def test_a_repeat_that_restored_nothing_or_hit_a_cache_is_an_error() -> None:
     assert (
         not ev["pass"] and ev["restore_runs_s"] == [0.3] and ev["cold_same_engine_runs_s"] == [1.0]
     )
+
+
+def test_pristine_chunk_objects_hold_one_fa_page_of_r() -> None:
+    # Measured on the H200 (session 3): olmo-r25 at C = 2N, pristine 19,922,944 B.
+    m = gate.MODELS["olmo-r25"]
+    assert gate.expected_pristine_chunk_bytes(m, 3200) == 19_922_944
+    fa = 2 * 3200 * gate.attn_bytes_per_token(m)  # 2 FA layers of 8, every page
+    assert gate.expected_chunk_bytes(m, 3200) - gate.expected_pristine_chunk_bytes(m, 3200) == (
+        fa * 24 // 25
+    )
+
+
+def test_chunk_bytes_table_sets_measured_objects_beside_expected() -> None:
+    def rec(per: float) -> dict[str, object]:
+        return {"model": "olmo-r5", "chunk": 80, "l2_bytes_per_object": per}
+
+    runs = {
+        ("patched", "olmo-r5-NHD-c1N-offset"): [rec(655_400.0)],
+        ("pristine", "olmo-r5-NHD-c1N-offset"): [rec(524_288.0)],
+        ("pristine", "olmo-r5-HND-c1N-offset"): [rec(0.0)],  # stored nothing
+    }
+    rows = gate.chunk_bytes_table(runs)[2:]
+    assert rows == ["| olmo-r5 | 80/16/5 | 80 | 655,360 | 655,400 | 524,288 | 524,288 | 0.8 |"]
