@@ -4,7 +4,8 @@ The server answers RETRIEVE with failure when the keys left L1 between lookup an
 (an eviction or lock race), on a block-id underflow, or on any exception in the transfer.
 Pristine 0.5.3's worker adapter logs it and reports the load as finished: vLLM never hears
 of it and computes on whatever the blocks held before (LMCache#3388). The blocks must be
-reported through get_block_ids_with_load_errors, so vLLM fails the request or recomputes.
+reported through get_block_ids_with_load_errors, so vLLM fails the request or recomputes
+(vLLM 0.26.0 stops the engine instead for a hybrid model, vllm#50687: loud, not wrong).
 
 LMCache's real worker adapter runs against LMCache's real message-queue server (it asks for
 the chunk size at start-up, and its heartbeat pings); only the transfer context is a fake.
