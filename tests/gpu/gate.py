@@ -346,12 +346,23 @@ def _ttft(engine: dict[str, Any]) -> float | None:
     return engine.get("gen_s") if v is None else v
 
 
+def _cold_ttft(timed: dict[str, Any]) -> float | None:
+    """TTFT of a timed request meant to be cold; None if it hit any cache."""
+    if timed.get("ttft_s") is None or timed.get("num_cached_tokens"):
+        return None
+    return float(timed["ttft_s"])
+
+
+def _restored_ttft(timed: dict[str, Any]) -> float | None:
+    """TTFT of a timed request meant to restore; None if it restored nothing."""
+    if timed.get("ttft_s") is None or not timed.get("num_cached_tokens"):
+        return None
+    return float(timed["ttft_s"])
+
+
 def _cold_reference_ttft(restore: dict[str, Any]) -> float | None:
     """TTFT of the restore engine's own cold prefill; None if it hit any cache."""
-    ref = restore.get("cold_reference") or {}
-    if ref.get("ttft_s") is None or ref.get("num_cached_tokens"):
-        return None
-    return float(ref["ttft_s"])
+    return _cold_ttft(restore.get("cold_reference") or {})
 
 
 def d_timings(restore: dict[str, Any]) -> tuple[list[float], list[float], list[str]]:
@@ -362,22 +373,20 @@ def d_timings(restore: dict[str, Any]) -> tuple[list[float], list[float], list[s
     colds = [t] if (t := _cold_reference_ttft(restore)) is not None else []
     problems = []
     for i, pair in enumerate(restore.get("timed_pairs") or [], 1):
-        r, c = pair.get("restore") or {}, pair.get("cold") or {}
-        if r.get("ttft_s") is None or not r.get("num_cached_tokens"):
+        if (t := _restored_ttft(pair.get("restore") or {})) is None:
             problems.append(f"repeat {i}: its restore restored nothing")
         else:
-            restores.append(float(r["ttft_s"]))
-        if c.get("ttft_s") is None or c.get("num_cached_tokens"):
+            restores.append(t)
+        if (t := _cold_ttft(pair.get("cold") or {})) is None:
             problems.append(f"repeat {i}: its cold prefill hit a cache")
         else:
-            colds.append(float(c["ttft_s"]))
+            colds.append(t)
     return restores, colds, problems
 
 
 def _first_restore_ttft(restore: dict[str, Any]) -> float | None:
     """TTFT of the restore engine's first restore (another prompt, before the timed one)."""
-    first = (restore.get("warm_first") or {}).get("restore") or {}
-    return first.get("ttft_s") if first.get("num_cached_tokens") else None
+    return _restored_ttft((restore.get("warm_first") or {}).get("restore") or {})
 
 
 def prompt_key(tokens: Sequence[int]) -> str:

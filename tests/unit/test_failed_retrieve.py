@@ -13,16 +13,15 @@ the chunk size at start-up, and its heartbeat pings); only the transfer context 
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import zmq
+from mq_server import free_url, serve
 
 from lmcache.v1.multiprocess.futures import MessagingFuture
-from lmcache.v1.multiprocess.mq import MessageQueueServer
-from lmcache.v1.multiprocess.protocol import RequestType, get_handler_type, get_payload_classes
+from lmcache.v1.multiprocess.protocol import RequestType
 
 CHUNK = 16
 BLOCK = 16
@@ -50,11 +49,7 @@ class ControlServer:
             RequestType.PING: ping,
             RequestType.UNREGISTER_KV_CACHE: unregister,
         }
-        self.server = MessageQueueServer(url, ctx)
-        for rt, fn in handlers.items():
-            self.server.add_handler(rt, get_payload_classes(rt), get_handler_type(rt), fn)
-        self.server.add_normal_thread_pool([RequestType.PING], max_workers=2)
-        self.server.start()
+        self.server = serve(url, ctx, handlers, [RequestType.PING])
 
 
 class FailingRetrieves:
@@ -85,9 +80,7 @@ def adapter() -> Iterator[Any]:
         ParallelStrategy,
     )
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    url = free_url()
     ctx = zmq.Context()
     ctx.linger = 0
     server = ControlServer(url, ctx)

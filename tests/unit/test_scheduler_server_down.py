@@ -16,27 +16,20 @@ H200 during a 128k restore, 4100 calls). A slow reply must not hold the step.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 
 import pytest
 import zmq
+from mq_server import free_url, serve
 
-from lmcache.v1.multiprocess.mq import MessageQueueServer
-from lmcache.v1.multiprocess.protocol import RequestType, get_handler_type, get_payload_classes
+from lmcache.v1.multiprocess.protocol import RequestType
 from lmcache.v1.multiprocess.protocols.engine import KeyType
 
 CHUNK = 16
 HEARTBEAT_S = 0.5
 MQ_TIMEOUT_S = 12.0  # what pristine waits; the patched build must give up after a few heartbeats
 GIVE_UP_WITHIN_S = 4.0
-
-
-def free_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 class LMCacheServerStub:
@@ -72,12 +65,8 @@ class LMCacheServerStub:
             RequestType.LOOKUP: lookup,
             RequestType.QUERY_PREFETCH_STATUS: query_prefetch_status,
         }
-        self.server = MessageQueueServer(url, ctx)
-        for rt, fn in handlers.items():
-            self.server.add_handler(rt, get_payload_classes(rt), get_handler_type(rt), fn)
         blocking = [rt for rt in handlers if rt != RequestType.GET_CHUNK_SIZE]
-        self.server.add_normal_thread_pool(blocking, max_workers=4)
-        self.server.start()
+        self.server = serve(url, ctx, handlers, blocking)
 
     def die(self) -> None:
         self.server.close()
