@@ -588,6 +588,7 @@ def markdown_report(results: dict[str, Any]) -> str:
         "",
         f"- hardware: {last.get('hardware')}",
         f"- versions: {last.get('versions')}",
+        f"- extra server args: {last.get('server_args') or 'none'}",
         f"- L2 filesystem: {last.get('l2_fs')}",
         f"- invocations: {len(runs)}; records: {len(recs)} "
         f"({sum(1 for r in recs.values() if not r.get('ok'))} failed)",
@@ -1113,9 +1114,14 @@ def _started_shapes(work: Path) -> set[str]:
 
 
 def gpu_compute_pids() -> list[str]:
-    """PIDs with a CUDA context on any GPU (nvidia-smi), [] where there is none or no tool."""
+    """PIDs with a CUDA context on the GPUs in $CUDA_VISIBLE_DEVICES (all where it is unset;
+    another GPU of the node may run other work), [] where there is none or no tool."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    only = ["-i", visible] if re.fullmatch(r"\d+(,\d+)*", visible) else []
     try:
-        return gate.nvidia_smi("--query-compute-apps=pid", "--format=csv,noheader", timeout=30)
+        return gate.nvidia_smi(
+            "--query-compute-apps=pid", "--format=csv,noheader", *only, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
 

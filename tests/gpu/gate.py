@@ -40,6 +40,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -799,6 +800,7 @@ def markdown_report(report: dict[str, Any]) -> str:
         "",
         f"- hardware: {report.get('hardware')}",
         f"- versions: {report.get('versions')}",
+        f"- extra server args: {report.get('server_args') or 'none'}",
         f"- cases run: {len(report['cases'])}, not run: {len(report.get('not_run', []))}"
         + (" (stopped at --max-seconds)" if report.get("stopped_early") else ""),
         *(
@@ -1051,6 +1053,12 @@ class ServerError(RuntimeError):
     pass
 
 
+def extra_server_args() -> list[str]:
+    """More `lmcache server` options for every server, from $HYBRIDFA_SERVER_ARGS
+    (e.g. a build's opt-in feature); recorded in each report's environment."""
+    return shlex.split(os.environ.get("HYBRIDFA_SERVER_ARGS", ""))
+
+
 def start_server(
     py: str,
     env: dict[str, str],
@@ -1078,6 +1086,7 @@ def start_server(
         str(free_port()),
         "--l2-adapter",
         json.dumps({"type": "fs", "base_path": str(l2_dir)}),
+        *extra_server_args(),
     ]
     fh = open(log, "w")  # noqa: SIM115 - handed to the child
     proc = spawn(cmd, fh, env)
@@ -1460,7 +1469,7 @@ print("GATE-ENV " + json.dumps(out))
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         hardware["gpus"] = f"nvidia-smi failed: {e}"
-    return {"versions": versions, "hardware": hardware}
+    return {"versions": versions, "hardware": hardware, "server_args": extra_server_args()}
 
 
 def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | None:

@@ -305,3 +305,12 @@ def test_wait_gpu_idle_waits_for_exiting_processes(monkeypatch) -> None:
 def test_wait_gpu_idle_gives_up_with_the_pids_left(monkeypatch) -> None:
     monkeypatch.setattr(bench, "gpu_compute_pids", lambda: ["4242"])
     assert bench.wait_gpu_idle(timeout=0.05, poll=0.01) == ["4242"]
+
+
+@pytest.mark.parametrize(("visible", "only"), [("1", ["-i", "1"]), ("", []), ("GPU-ab12", [])])
+def test_gpu_compute_pids_asks_only_about_the_visible_gpus(monkeypatch, visible, only) -> None:
+    asked: list[tuple[str, ...]] = []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(gate, "nvidia_smi", lambda *a, timeout: asked.append(a) or ["7"])
+    assert bench.gpu_compute_pids() == ["7"]
+    assert asked == [("--query-compute-apps=pid", "--format=csv,noheader", *only)]

@@ -839,3 +839,10 @@ def test_chunk_bytes_table_sets_measured_objects_beside_expected() -> None:
     }
     rows = gate.chunk_bytes_table(runs)[2:]
     assert rows == ["| olmo-r5 | 80/16/5 | 80 | 655,360 | 655,400 | 524,288 | 524,288 | 0.8 |"]
+
+
+def test_extra_server_args_come_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("HYBRIDFA_SERVER_ARGS", "--separate-object-groups --x 'a b'")
+    assert gate.extra_server_args() == ["--separate-object-groups", "--x", "a b"]
+    monkeypatch.delenv("HYBRIDFA_SERVER_ARGS")
+    assert gate.extra_server_args() == []
