@@ -708,6 +708,7 @@ def l2_inventory(root: Path, with_files: bool = False) -> dict[str, Any]:
     files = 0
     total = 0
     per_rank: dict[str, dict[str, int]] = {}
+    per_group: dict[str, dict[str, int]] = {}
     names: dict[str, int] = {}
     for p in Path(root).rglob("*"):
         try:
@@ -724,9 +725,17 @@ def l2_inventory(root: Path, with_files: bool = False) -> dict[str, Any]:
         slot = per_rank.setdefault(str(meta["rank"]), {"objects": 0, "bytes": 0})
         slot["objects"] += 1
         slot["bytes"] += size
+        group = per_group.setdefault(str(meta["object_group"]), {"objects": 0, "bytes": 0})
+        group["objects"] += 1
+        group["bytes"] += size
         if with_files:
             names[str(p.relative_to(root))] = size
-    out: dict[str, Any] = {"objects": files, "bytes": total, "per_rank": per_rank}
+    out: dict[str, Any] = {
+        "objects": files,
+        "bytes": total,
+        "per_rank": per_rank,
+        "per_object_group": per_group,
+    }
     if with_files:
         out["files"] = names
     return out

@@ -337,11 +337,15 @@ def test_l2_filename_and_inventory(tmp_path: Path) -> None:
     assert gate.parse_l2_filename("x.tmp") is None
     (tmp_path / "m@0x02000200@0@aa.data").write_bytes(b"1" * 10)
     (tmp_path / "m@0x02010201@0@aa.data").write_bytes(b"1" * 7)
-    (tmp_path / "m@0x02010201@0@bb.data").write_bytes(b"1" * 7)
+    (tmp_path / "m@0x02010201@1@bb.data").write_bytes(b"1" * 7)
     (tmp_path / "junk.tmp").write_bytes(b"1")
     inv = gate.l2_inventory(tmp_path)
     assert inv["objects"] == 3 and inv["bytes"] == 24
     assert inv["per_rank"] == {"0": {"objects": 1, "bytes": 10}, "1": {"objects": 2, "bytes": 14}}
+    assert inv["per_object_group"] == {
+        "0": {"objects": 2, "bytes": 17},
+        "1": {"objects": 1, "bytes": 7},
+    }
 
 
 def test_expected_chunk_bytes_section_m() -> None:
