@@ -269,6 +269,45 @@ def prefetch_rate(lines: Sequence[tuple[float, ...]], object_bytes: float) -> di
     }
 
 
+def _group_object_bytes(rec: dict[str, Any]) -> dict[str, float]:
+    """Mean L2 object size per object group (the GDN-last-chunk prototype writes FA and
+    GDN objects apart); empty when the record has no per-group inventory."""
+    groups = (rec.get("l2") or {}).get("per_object_group") or {}
+    return {og: g["bytes"] / g["objects"] for og, g in groups.items() if g.get("objects")}
+
+
+def chunk_object_bytes(rec: dict[str, Any]) -> float | None:
+    """L2 bytes of one chunk: its one object, or the sum over its object groups."""
+    sizes = _group_object_bytes(rec)
+    if len(sizes) > 1:
+        return sum(sizes.values())
+    return (rec.get("l2") or {}).get("bytes_per_object")
+
+
+def restored_bytes(rec: dict[str, Any], l2_reads: int | None) -> float | None:
+    """Bytes a restore of ``hit_tokens`` reads from L2 and copies to the GPU.
+
+    One object group: every hit chunk's object. Several (FA apart from GDN): the FA
+    group's object (the size nearest the expected FA bytes) of every hit chunk, and the
+    restored request's other L2 reads (``l2_reads``, from its prefetch line) at the other
+    groups' mean size: GDN state for the last hit chunk only.
+    """
+    n, hit = rec.get("chunk"), rec.get("hit_tokens")
+    if not (n and hit):
+        return None
+    objects = hit // n
+    sizes = _group_object_bytes(rec)
+    if len(sizes) <= 1:
+        bpo = (rec.get("l2") or {}).get("bytes_per_object")
+        return objects * bpo if bpo else None
+    fa_expected = (rec.get("expected_chunk_bytes") or {}).get("fa", 0)
+    fa = min(sizes, key=lambda og: abs(sizes[og] - fa_expected))
+    others = [v for og, v in sizes.items() if og != fa]
+    if l2_reads is None or l2_reads < objects:
+        return None
+    return objects * sizes[fa] + (l2_reads - objects) * sum(others) / len(others)
+
+
 def restore_breakdown(rec: dict[str, Any]) -> dict[str, Any] | None:
     """Split the restore TTFT into the L2 read and what follows it.
 
@@ -279,21 +318,22 @@ def restore_breakdown(rec: dict[str, Any]) -> dict[str, Any] | None:
     retrieve rate. Prefetch time is the restored request's own log line; records without
     the lines split the summed prefetch time by objects (``prefetch_exact`` false).
     """
-    ttft, n = rec.get("restore_ttft_s"), rec.get("chunk")
-    bpo = (rec.get("l2") or {}).get("bytes_per_object")
-    hit = rec.get("hit_tokens")
-    if not (ttft and n and bpo and hit):
+    ttft, n, hit = rec.get("restore_ttft_s"), rec.get("chunk"), rec.get("hit_tokens")
+    if not (ttft and n and hit):
         return None
     objects = hit // n
     lines = rec.get("prefetch_lines")
     if lines:
-        prefetch_s, exact = float(max(lines, key=lambda t: (t[3], t[4]))[4]), True
+        line = max(lines, key=lambda t: (t[3], t[4]))
+        prefetch_s, exact, l2_reads = float(line[4]), True, int(line[3])
     else:
         pl = rec.get("prefetch_log") or {}
         if not pl.get("l2_objects"):
             return None
-        prefetch_s, exact = pl["seconds"] * objects / pl["l2_objects"], False
-    hit_bytes = objects * bpo
+        prefetch_s, exact, l2_reads = pl["seconds"] * objects / pl["l2_objects"], False, None
+    hit_bytes = restored_bytes(rec, l2_reads)
+    if hit_bytes is None:
+        return None
     after = ttft - prefetch_s
     return {
         "hit_bytes": int(hit_bytes),
@@ -653,12 +693,12 @@ def markdown_report(results: dict[str, Any]) -> str:
         approx = "" if b.get("prefetch_exact", True) else " (split)"
         lines.append(
             f"| {r['model']} | {r['backend']} | {r['prompt_tokens']} "
-            f"| {_f(r.get('l2', {}).get('bytes_per_object'), 6)} | {_f(share, 2)} "
+            f"| {_f(chunk_object_bytes(r), 6)} | {_f(share, 2)} "
             f"| {_f(b.get('hit_bytes', 0) / GB if b else None)} "
             f"| {_f(b.get('prefetch_s'))}{approx} | {_f(b.get('prefetch_gbps'))} "
             f"| {_f(b.get('prefetch_share_of_ttft'))} | {_f(b.get('after_prefetch_s'))} "
             f"| {_f(b.get('retrieve_gbps_lower_bound'))} "
-            f"| {_f(r.get('restore_effective_gbps'))} |"
+            f"| {_f(gbps(b['hit_bytes'], r['restore_ttft_s']) if b else None)} |"
         )
     lines += [
         "",
@@ -674,7 +714,7 @@ def markdown_report(results: dict[str, Any]) -> str:
         obs = {"patched": None, "pristine": None}
         for r in recs.values():
             if r.get("model") == name and r.get("backend") == "FLASHINFER" and r.get("ok"):
-                bpo = (r.get("l2") or {}).get("bytes_per_object")
+                bpo = chunk_object_bytes(r)
                 if bpo and r.get("arm") in obs:
                     obs[r["arm"]] = bpo
         lines.append(
@@ -1079,6 +1119,8 @@ def run_store_restore_step(step: Step, node: Node) -> dict[str, Any]:
                 ),
             )
             rec["breakdown"] = restore_breakdown(rec)
+            if rec["breakdown"] and rt:
+                rec["restore_effective_gbps"] = gbps(rec["breakdown"]["hit_bytes"], rt)
             rec["engine_timeline"] = restore.get("timeline")  # the engine's side of it
             if hit == 0:
                 rec["errors"].append("restore: no external hit")

@@ -314,3 +314,26 @@ def test_gpu_compute_pids_asks_only_about_the_visible_gpus(monkeypatch, visible,
     monkeypatch.setattr(gate, "nvidia_smi", lambda *a, timeout: asked.append(a) or ["7"])
     assert bench.gpu_compute_pids() == ["7"]
     assert asked == [("--query-compute-apps=pid", "--format=csv,noheader", *only)]
+
+
+def test_restore_breakdown_with_fa_and_gdn_objects_apart() -> None:
+    # GDN-last-chunk prototype: FA objects (1 GB) for every hit chunk, GDN (3 GB) for the last.
+    rec = _restore_rec(1.0, after_prefetch_s=2.0)
+    rec["expected_chunk_bytes"] = {"fa": 1e9, "gdn": 3e9, "total": 4e9}
+    rec["l2"] = {
+        "per_object_group": {
+            "0": {"objects": 100, "bytes": 300e9},
+            "1": {"objects": 100, "bytes": 100e9},
+        }
+    }
+    rec["prefetch_lines"] = [(2, 4, 0, 2, 0.1), (101, 200, 0, 101, 2.0)]
+    assert bench.chunk_object_bytes(rec) == pytest.approx(4e9)
+    b = bench.restore_breakdown(rec)
+    assert b is not None and b["hit_bytes"] == pytest.approx(103e9)
+    assert b["prefetch_gbps"] == pytest.approx(51.5)
+
+
+def test_restored_bytes_of_one_object_group_is_every_hit_chunk() -> None:
+    rec = _restore_rec(1.0, after_prefetch_s=2.0)
+    assert bench.restored_bytes(rec, 100) == pytest.approx(100e9)
+    assert bench.chunk_object_bytes(rec) == pytest.approx(1e9)
