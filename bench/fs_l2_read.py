@@ -70,6 +70,9 @@ VARIANTS: dict[str, Variant] = {
     "conc2": Variant(replace=True, conc=2),  # 2 files in flight, verify on the loop
     "conc2-vt": Variant(replace=True, conc=2, verify_in_thread=True, needs_trailer=True),
     "conc4-vt": Variant(replace=True, conc=4, verify_in_thread=True),
+    # more files in flight, for the smaller FA-only objects of --separate-object-groups
+    "conc8-vt": Variant(replace=True, conc=8, verify_in_thread=True, default=False),
+    "conc16-vt": Variant(replace=True, conc=16, verify_in_thread=True, default=False),
     "conc2-vt-mt": Variant(
         replace=True, conc=2, verify_in_thread=True, hash_mt=True, needs_trailer=True, default=False
     ),
