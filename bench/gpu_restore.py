@@ -17,7 +17,8 @@ Steps (one record each in the results JSON, keyed by id ``kind:model:backend:arm
               L2 read rate from the server's "Prefetch request completed" line x L2 object
               size; H2D retrieve rate bounded from below by the rest of the TTFT
               (``restore_breakdown``: the "Stored/Retrieved N tokens" lines time only the
-              enqueue of asynchronous copies);
+              enqueue of asynchronous copies), and measured by LMCache's own stream-timed
+              copy statistics (``SERVER_STATS_ARGS``, ``parse_copy_stats``);
 - ``cold``    optional (--plain-cold): the same request on an engine without LMCache;
 - ``bytes``   pristine arm: store only, L2 object size per chunk.
 
@@ -222,6 +223,35 @@ _PREFETCH = re.compile(
     r"Prefetch request completed[^:]*: (\d+)/(\d+) retained keys "
     r"\((\d+) L1, (\d+) L2\) in ([0-9.]+) ms"
 )
+
+
+# LMCache's own copy timing (--enable-extra-logging, ExtraStatsLoggingSubscriber): bytes over
+# the time between MP_*_START and MP_*_END, both published on the transfer's CUDA stream, so
+# the copies themselves are timed, not their enqueue.
+SERVER_STATS_ARGS = ("--enable-extra-logging", "--extra-logging-interval", "1")
+_SIDE = r"ops=(\d+) tokens=(\d+) size=([0-9.]+)GB avg_copy=(?:([0-9.]+)GB/s|n/a)"
+_COPY_STATS = re.compile(
+    r"L0<->L1 stats \[([^\]]+)\] cumulative: store " + _SIDE + r" \| retrieve " + _SIDE
+)
+
+
+def parse_copy_stats(text: str) -> dict[str, Any] | None:
+    """The last cumulative "L0<->L1 stats" line of a server log: per side, ops, tokens,
+    GB moved and the stream-timed copy rate (GB/s; None when nothing was timed)."""
+    found = _COPY_STATS.findall(text)
+    if not found:
+        return None
+    device, *v = found[-1]
+
+    def side(ops: str, tokens: str, size: str, rate: str) -> dict[str, Any]:
+        return {
+            "ops": int(ops),
+            "tokens": int(tokens),
+            "gb": float(size),
+            "copy_gbps": float(rate) if rate else None,
+        }
+
+    return {"device": device, "store": side(*v[:4]), "retrieve": side(*v[4:])}
 
 
 def parse_server_log(text: str) -> dict[str, list[tuple[float, ...]]]:
@@ -542,6 +572,9 @@ def _rec(results: dict[str, Any], sid: str) -> dict[str, Any] | None:
 def _retrieve_gbps(r: dict[str, Any] | None) -> tuple[float | None, str]:
     if not r:
         return None, "-"
+    timed = ((r.get("copy_stats") or {}).get("retrieve") or {}).get("copy_gbps")
+    if timed:
+        return timed, "LMCache's stream-timed H2D copy"
     b = restore_breakdown(r)
     if b and b["retrieve_gbps_lower_bound"]:
         return b["retrieve_gbps_lower_bound"], "lower bound: hit bytes / (restore TTFT - prefetch)"
@@ -676,13 +709,16 @@ def markdown_report(results: dict[str, Any]) -> str:
         "",
         "## Where the restore time goes (GB/s = 1e9 B/s)",
         "",
-        "The server logs time the enqueue of the asynchronous copies, not the copies, so the",
-        "H2D retrieve rate is bounded from below: hit bytes / (restore TTFT - L2 prefetch).",
+        'The server\'s "Retrieved N tokens" lines time the enqueue of the asynchronous copies,',
+        "not the copies, so the H2D retrieve rate is bounded from below: hit bytes / (restore",
+        "TTFT - L2 prefetch). Runs since 2026-11-30 also record LMCache's own stream-timed copy",
+        "rate (--enable-extra-logging: bytes between MP_RETRIEVE_START and _END on the CUDA",
+        "stream; D2H for the store), over all of the server's requests.",
         "",
         "| model | backend | prompt | bytes/chunk | FA share | hit GB | L2->L1 prefetch s "
         "| prefetch GB/s | prefetch share of TTFT | after prefetch s | retrieve GB/s (lower bound) "
-        "| restore effective GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| restore effective GB/s | H2D copy GB/s (stream-timed) | D2H copy GB/s (store) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if not r.get("ok"):
@@ -698,7 +734,9 @@ def markdown_report(results: dict[str, Any]) -> str:
             f"| {_f(b.get('prefetch_s'))}{approx} | {_f(b.get('prefetch_gbps'))} "
             f"| {_f(b.get('prefetch_share_of_ttft'))} | {_f(b.get('after_prefetch_s'))} "
             f"| {_f(b.get('retrieve_gbps_lower_bound'))} "
-            f"| {_f(gbps(b['hit_bytes'], r['restore_ttft_s']) if b else None)} |"
+            f"| {_f(gbps(b['hit_bytes'], r['restore_ttft_s']) if b else None)} "
+            f"| {_f(((r.get('copy_stats') or {}).get('retrieve') or {}).get('copy_gbps'))} "
+            f"| {_f(((r.get('store_copy_stats') or {}).get('store') or {}).get('copy_gbps'))} |"
         )
     lines += [
         "",
@@ -1040,7 +1078,16 @@ def run_store_restore_step(step: Step, node: Node) -> dict[str, Any]:
     procs: list[subprocess.Popen[Any]] = []
     try:
         port = gate.free_port()
-        srv = gate.start_server(node.python, env, port, n, l2, wd / "server1.log", l1_size_gb=l1)
+        srv = gate.start_server(
+            node.python,
+            env,
+            port,
+            n,
+            l2,
+            wd / "server1.log",
+            l1_size_gb=l1,
+            extra_args=SERVER_STATS_ARGS,
+        )
         procs.append(srv)
         store = gate.run_engine(
             node.python,
@@ -1059,6 +1106,7 @@ def run_store_restore_step(step: Step, node: Node) -> dict[str, Any]:
         bpo = inv["bytes"] / inv["objects"] if inv["objects"] else 0.0
         rec["l2"] = {**inv, "bytes_per_object": bpo}
         rec["store_log"] = transfer_rate(parse_server_log(log1)["stored"], bpo / n)
+        rec["store_copy_stats"] = parse_copy_stats(log1)
         rec["cold_ttft_s"] = ttft_of(store)
         rec["cold_request_s"] = (store or {}).get("gen_s")
         if not store or not store.get("ok"):
@@ -1078,7 +1126,14 @@ def run_store_restore_step(step: Step, node: Node) -> dict[str, Any]:
             t_restart = time.perf_counter()
             port = gate.free_port()
             srv = gate.start_server(
-                node.python, env, port, n, l2, wd / "server2.log", l1_size_gb=l1
+                node.python,
+                env,
+                port,
+                n,
+                l2,
+                wd / "server2.log",
+                l1_size_gb=l1,
+                extra_args=SERVER_STATS_ARGS,
             )
             procs.append(srv)
             rec["server2_start_s"] = round(time.perf_counter() - t_restart, 2)
@@ -1099,6 +1154,7 @@ def run_store_restore_step(step: Step, node: Node) -> dict[str, Any]:
             rec["retrieve_log"] = transfer_rate(parsed["retrieved"], bpo / n)
             rec["prefetch_log"] = prefetch_rate(parsed["prefetch"], bpo)
             rec["prefetch_lines"] = parsed["prefetch"]
+            rec["copy_stats"] = parse_copy_stats(log2)
             if not restore.get("ok"):
                 rec["errors"].append(f"restore: {restore.get('error')}"[-1500:])
             hit = int(restore.get("num_cached_tokens") or 0)

@@ -1077,6 +1077,7 @@ def start_server(
     log: Path,
     timeout: float = 180.0,
     l1_size_gb: float = 4,
+    extra_args: Sequence[str] = (),
 ) -> subprocess.Popen[Any]:
     cmd = [
         py,
@@ -1095,6 +1096,7 @@ def start_server(
         str(free_port()),
         "--l2-adapter",
         json.dumps({"type": "fs", "base_path": str(l2_dir)}),
+        *extra_args,
         *extra_server_args(),
     ]
     fh = open(log, "w")  # noqa: SIM115 - handed to the child

@@ -236,14 +236,17 @@ def test_restore_step_flow_with_fake_server_and_engines(tmp_path: Path, monkeypa
     logs: list[str] = [
         "Stored 8160 tokens in 0.100 seconds\n",
         "Prefetch request completed (L1+L2): 15/15 retained keys (0 L1, 15 L2) in 50.0 ms\n"
-        "Retrieved 8160 tokens in 0.020 seconds\n",
+        "Retrieved 8160 tokens in 0.020 seconds\n"
+        "L0<->L1 stats [cuda:0] cumulative: store ops=0 tokens=0 size=0.00GB avg_copy=n/a"
+        " | retrieve ops=1 tokens=8160 size=0.13GB avg_copy=40.00GB/s\n",
     ]
 
     class FakeProc:
         pid = 0
 
-    def start_server(py, env, port, chunk, l2, log, timeout=180.0, l1_size_gb=4):
+    def start_server(py, env, port, chunk, l2, log, timeout=180.0, l1_size_gb=4, extra_args=()):
         assert chunk == n and l1_size_gb >= 4
+        assert tuple(extra_args) == bench.SERVER_STATS_ARGS
         log.write_text(logs.pop(0))
         return FakeProc()
 
@@ -285,6 +288,7 @@ def test_restore_step_flow_with_fake_server_and_engines(tmp_path: Path, monkeypa
     assert rec["breakdown"]["after_prefetch_s"] == pytest.approx(0.39 - 0.05)
     assert rec["prefetch_log"]["gbps"] == pytest.approx(15 * obj / 0.05 / 1e9)
     assert rec["page_cache"]["files"] == 15
+    assert rec["copy_stats"]["retrieve"]["copy_gbps"] == 40.0 and rec["store_copy_stats"] is None
     assert not (tmp_path / "w" / step.id.replace(":", "_") / "l2").exists()
 
 
@@ -337,3 +341,35 @@ def test_restored_bytes_of_one_object_group_is_every_hit_chunk() -> None:
     rec = _restore_rec(1.0, after_prefetch_s=2.0)
     assert bench.restored_bytes(rec, 100) == pytest.approx(100e9)
     assert bench.chunk_object_bytes(rec) == pytest.approx(1e9)
+
+
+def test_copy_stats_parse_lmcaches_own_line() -> None:
+    from lmcache.v1.mp_observability.subscribers.logging.extra_stats import (
+        _format_side,
+        _TransferStats,
+    )
+
+    store = _format_side("store", _TransferStats(3, 1584, 207_000_000, 207_000_000, 0.02))
+    none = _format_side("store", _TransferStats())
+    retrieve = _format_side("retrieve", _TransferStats(2, 27456, 3_600_000_000, 3.6e9, 0.1))
+    log = (
+        f"L0<->L1 stats [cuda:0] cumulative: {none} | {retrieve}\n"
+        f"INFO L0<->L1 stats [cuda:0] last 1.0s: {store} | {retrieve}\n"
+        f"INFO L0<->L1 stats [cuda:0] cumulative: {store} | {retrieve}\n"
+    )
+    got = bench.parse_copy_stats(log)
+    assert got == {
+        "device": "cuda:0",
+        "store": {"ops": 3, "tokens": 1584, "gb": 0.21, "copy_gbps": 10.35},
+        "retrieve": {"ops": 2, "tokens": 27456, "gb": 3.6, "copy_gbps": 36.0},
+    }
+    first = bench.parse_copy_stats(log.splitlines()[0])
+    assert first is not None and first["store"]["copy_gbps"] is None
+    assert bench.parse_copy_stats("no stats here") is None
+
+
+def test_retrieve_rate_prefers_the_stream_timed_copy() -> None:
+    rec = _restore_rec(1.0, after_prefetch_s=2.0)
+    assert bench._retrieve_gbps(rec)[0] == pytest.approx(50.0)
+    rec["copy_stats"] = {"retrieve": {"copy_gbps": 41.5}}
+    assert bench._retrieve_gbps(rec) == (41.5, "LMCache's stream-timed H2D copy")
