@@ -1167,7 +1167,6 @@ def run_store_restore_step(step: Step, node: Node) -> dict[str, Any]:
                 restore_request_s=restore.get("gen_s"),
                 speedup_ttft=ratio(rec["cold_ttft_s"], rt),
                 speedup_request=ratio(rec["cold_request_s"], restore.get("gen_s")),
-                restore_effective_gbps=gbps(hit * bpo / n, rt) if rt else None,
                 restart_to_first_token_s=(
                     rec["server2_start_s"] + restore["engine_up_s"] + rt
                     if rt and restore.get("engine_up_s") is not None
@@ -1175,8 +1174,8 @@ def run_store_restore_step(step: Step, node: Node) -> dict[str, Any]:
                 ),
             )
             rec["breakdown"] = restore_breakdown(rec)
-            if rec["breakdown"] and rt:
-                rec["restore_effective_gbps"] = gbps(rec["breakdown"]["hit_bytes"], rt)
+            restored = rec["breakdown"]["hit_bytes"] if rec["breakdown"] else hit * bpo / n
+            rec["restore_effective_gbps"] = gbps(restored, rt) if rt else None
             rec["engine_timeline"] = restore.get("timeline")  # the engine's side of it
             if hit == 0:
                 rec["errors"].append("restore: no external hit")

@@ -7,6 +7,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from script_modules import GPU_DIR
@@ -219,6 +220,20 @@ def _engine(tokens, lps, gen_s, cached=None, kv=None, health=True) -> dict:
     }
 
 
+def _restored_case(
+    exact: bool, restore_ttft: float, cold_reference_ttft: float
+) -> tuple[Any, dict, dict, dict]:
+    """olmo-r5, NHD, chunk N: cold, store and restore engine results, the restore engine
+    having restored every promisable block and cold-prefilled its own reference."""
+    case = gate.Case("olmo-r5", "NHD", 1, exact)
+    kv = [_hashes({"0": "a"}, {})]
+    hit = gate.max_promisable_hit(case.prompt_tokens, 80)
+    cold, store = _engine([5], [], 3.0), _engine([5], [], 3.0, kv=kv)
+    restore = {**_engine([5], [], 2.0, cached=hit, kv=kv), "ttft_s": restore_ttft}
+    restore["cold_reference"] = {"ttft_s": cold_reference_ttft, "num_cached_tokens": 0}
+    return case, cold, store, restore
+
+
 def test_evaluate_case_pass_and_pristine_like_failure() -> None:
     case = gate.Case("olmo-r5", "NHD", 1, False)
     p = case.prompt_tokens
@@ -290,12 +305,8 @@ def test_the_restore_engine_warms_up_on_other_prompts_before_the_timed_restore(
 
 
 def test_evaluate_case_reports_the_engines_first_restore() -> None:
-    case = gate.Case("olmo-r5", "NHD", 1, False)
-    kv = [_hashes({"0": "a"}, {})]
-    hit = case.prompt_tokens // 80 * 80
-    cold, store = _engine([5], [], 3.0), _engine([5], [], 3.0, kv=kv)
-    restore = {**_engine([5], [], 2.0, cached=hit, kv=kv), "ttft_s": 0.3}
-    restore["cold_reference"] = {"ttft_s": 0.5, "num_cached_tokens": 0}
+    case, cold, store, restore = _restored_case(False, 0.3, 0.5)
+    hit = restore["num_cached_tokens"]
     restore["warm_first"] = {"restore": {"ttft_s": 1.4, "num_cached_tokens": hit}}
     ev = gate.evaluate_case(case, cold, store, restore)
     assert ev["d"] and ev["first_restore_s"] == 1.4
@@ -631,6 +642,7 @@ def test_l2_wait_keeps_waiting_for_a_healthy_server(tmp_path: Path) -> None:
 FAKE_ENGINE = """
 import json, sys
 from pathlib import Path
+from typing import Any
 spec, out = Path(sys.argv[1]), Path(sys.argv[2])
 tries = spec.with_suffix(".tries")
 n = int(tries.read_text()) + 1 if tries.exists() else 1
@@ -775,12 +787,8 @@ def test_matrix_report_shows_first_runs_reruns_and_empty_restores_as_failed_a() 
 def test_d_compares_medians_of_the_repeated_restores_and_cold_prefills() -> None:
     # Session 6: one restore against one cold prefill lost by 0.03 s under load, and
     # passed when rerun alone; one slow outlier on the restore side no longer decides (d).
-    case = gate.Case("olmo-r5", "NHD", 1, True)
-    kv = [_hashes({"0": "a"}, {})]
-    hit = case.prompt_tokens - 80
-    cold, store = _engine([5], [], 3.0), _engine([5], [], 3.0, kv=kv)
-    restore = {**_engine([5], [], 2.0, cached=hit, kv=kv), "ttft_s": 0.185}  # the outlier
-    restore["cold_reference"] = {"ttft_s": 0.155, "num_cached_tokens": 0}
+    case, cold, store, restore = _restored_case(True, 0.185, 0.155)  # 0.185: the outlier
+    hit = restore["num_cached_tokens"]
     pairs = [((0.11, hit), (0.15, 0)), ((0.12, hit), (0.16, 0))]
     restore["timed_pairs"] = [
         {
@@ -800,12 +808,7 @@ def test_d_compares_medians_of_the_repeated_restores_and_cold_prefills() -> None
 
 
 def test_a_repeat_that_restored_nothing_or_hit_a_cache_is_an_error() -> None:
-    case = gate.Case("olmo-r5", "NHD", 1, False)
-    kv = [_hashes({"0": "a"}, {})]
-    hit = case.prompt_tokens // 80 * 80
-    cold, store = _engine([5], [], 3.0), _engine([5], [], 3.0, kv=kv)
-    restore = {**_engine([5], [], 2.0, cached=hit, kv=kv), "ttft_s": 0.3}
-    restore["cold_reference"] = {"ttft_s": 1.0, "num_cached_tokens": 0}
+    case, cold, store, restore = _restored_case(False, 0.3, 1.0)
     restore["timed_pairs"] = [
         {
             "restore": {"ttft_s": 0.9, "num_cached_tokens": 0},
