@@ -373,3 +373,20 @@ def test_retrieve_rate_prefers_the_stream_timed_copy() -> None:
     assert bench._retrieve_gbps(rec)[0] == pytest.approx(50.0)
     rec["copy_stats"] = {"retrieve": {"copy_gbps": 41.5}}
     assert bench._retrieve_gbps(rec) == (41.5, "LMCache's stream-timed H2D copy")
+
+
+def test_a_restore_from_the_page_cache_is_labelled_in_table_and_targets(tmp_path: Path) -> None:
+    b = bench.BIG_MODEL
+    rec = _restore_rec(12.0, 2.0)
+    rec.update(model=b, backend="FLASHINFER", prompt_tokens=26624, page_cache={"dropped": False})
+    res = bench.load_results(tmp_path / "x.json")
+    res["records"][f"restore:{b}:FLASHINFER:patched:26624"] = rec
+    got = {t["target"]: t for t in bench.evaluate_targets(res)}
+    assert "page cache" in got["ttft_speedup_26k"]["detail"]
+    md = bench.markdown_report(res)
+    assert md.splitlines()[
+        [i for i, x in enumerate(md.splitlines()) if "| 26624 |" in x][0]
+    ].endswith("| kept |")
+    rec["page_cache"] = {"dropped": True}
+    assert "page cache" not in bench.evaluate_targets(res)[0]["detail"]
+    assert "| dropped |" in bench.markdown_report(res)
