@@ -19,3 +19,15 @@ def adapter(tmp_path: Path) -> Iterator[Any]:
         yield adp
     finally:
         adp.close()
+
+
+@pytest.fixture
+def real_servers(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Starts whole LMCache servers on CPU over an fs L2 folder (restore_server)."""
+    from restore_server import ServerFactory
+
+    factory = ServerFactory(monkeypatch)
+    try:
+        yield factory
+    finally:
+        factory.close_all()

@@ -1,0 +1,219 @@
+"""A whole LMCache MP server on CPU over a persistent fs L2 folder, for restore tests.
+
+Real classes: MPCacheServerContext (StorageManager with its L1 and the real FSL2Adapter,
+prefetch and store controllers), the LookupModule and the LMCacheDrivenTransferModule,
+registered from the exact vLLM 0.26 hybrid KV tensors of hybrid_kv.build_hybrid_kv.
+Stand-ins only where the server needs a GPU: the IPC event backend, and the stream
+callbacks (finish_write / finish_read_prefetched), which run at once instead of after
+the copy on a CUDA stream. Every object the fs adapter loads is recorded, so a test can
+count the bytes a restore reads from disk.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hybrid_kv import HybridKV, _NoopDispatcher, _NoopEventBackend, _Wrapper
+
+MODEL = "hybrid"
+TIMEOUT_S = 10.0
+
+
+@dataclass
+class DiskReads:
+    """Objects the fs L2 adapter was asked to load: (key, bytes) in order."""
+
+    loads: list[tuple[Any, int]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.loads)
+
+    def by_object_group(self) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for key, n in self.loads:
+            groups.setdefault(key.object_group_id, []).append(n)
+        return groups
+
+
+@dataclass
+class RealServer:
+    ctx: Any
+    lookup_module: Any
+    transfer: Any
+    engine_group_infos: list[Any]
+    l2_dir: Path
+    reads: DiskReads
+    closed: bool = False
+
+    def key(self, tokens: list[int], start: int, end: int, request: str, worker: int | None):
+        from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+
+        return IPCCacheServerKey.from_token_ids(
+            MODEL, 1, worker, tokens, start=start, end=end, request_id=request
+        )
+
+    @property
+    def num_object_groups(self) -> int:
+        return int(self.ctx.layout_desc_registry.find_attn_desc(MODEL, 1).num_object_groups)
+
+    def block_ids(self, engine_block_ids: list[list[int]]) -> list[list[int]]:
+        from lmcache.v1.multiprocess.group_view import expand_engine_block_ids
+
+        return expand_engine_block_ids(self.engine_group_infos, engine_block_ids)
+
+    def store(self, request: str, tokens: list[int], engine_block_ids: list[list[int]]) -> bool:
+        end = len(tokens) - len(tokens) % self.ctx.chunk_size
+        key = self.key(tokens, 0, end, request, 0)
+        _, ok = self.transfer.store(key, 1, self.block_ids(engine_block_ids), b"")
+        return bool(ok)
+
+    def lookup(self, request: str, tokens: list[int]) -> int:
+        """The lookup's hit in chunks, once its prefetch (L1 and L2) has completed."""
+        self.lookup_module.lookup(self.key(tokens, 0, len(tokens), request, None), 1)
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            found = self.lookup_module.query_prefetch_status(request)
+            if found is not None:
+                return int(found)
+            time.sleep(0.01)
+        raise RuntimeError(f"prefetch of {request} did not complete in {TIMEOUT_S}s")
+
+    def retrieve(
+        self, request: str, tokens: list[int], start: int, end: int, ids: list[list[int]]
+    ) -> bool:
+        key = self.key(tokens, start, end, request, 0)
+        _, ok = self.transfer.retrieve(key, 1, self.block_ids(ids), b"", 0)
+        return bool(ok)
+
+    def free_lookup_locks(self, request: str, tokens: list[int], start: int, end: int) -> None:
+        self.lookup_module.free_lookup_locks(self.key(tokens, start, end, request, None), 1)
+
+    def object_keys(self, tokens: list[int], num_chunks: int) -> list[list[Any]]:
+        """The ObjectKeys of the first ``num_chunks`` chunks, per object group."""
+        from lmcache.v1.distributed.api import ipc_key_to_object_keys
+
+        hashes = self.ctx.token_hasher.compute_chunk_hashes(tokens)[:num_chunks]
+        groups = self.ctx.layout_desc_registry.find_attn_desc(MODEL, 1).num_object_groups
+        key = self.key(tokens, 0, len(tokens), "keys", 0)
+        return ipc_key_to_object_keys(key, hashes, list(range(groups)))
+
+    def read_locked(self, keys: list[Any]) -> list[bool]:
+        """Whether L1 holds a read lock on each key (False for a key not in L1)."""
+        objects = self.ctx.storage_manager._l1_manager._objects  # noqa: SLF001
+        return [k in objects and objects[k].read_lock.is_locked() for k in keys]
+
+    def wait_l2_files(self, count: int) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            if len(list(self.l2_dir.glob("*.data"))) >= count:
+                time.sleep(0.1)  # let the adapter finish the last file
+                return
+            time.sleep(0.02)
+        found = len(list(self.l2_dir.glob("*.data")))
+        raise RuntimeError(f"{found} of {count} objects reached the fs L2 in {TIMEOUT_S}s")
+
+    def close(self) -> None:
+        """Stop the server (a restart, when a new one opens the same folder)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.transfer.close()
+        self.ctx.close()
+
+
+def _storage_config(l2_dir: Path) -> Any:
+    from lmcache.v1.distributed.config import (
+        EvictionConfig,
+        L1ManagerConfig,
+        L1MemoryManagerConfig,
+        StorageManagerConfig,
+    )
+    from lmcache.v1.distributed.l2_adapters.config import L2AdaptersConfig
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2AdapterConfig
+
+    memory = L1MemoryManagerConfig(
+        size_in_bytes=64 << 20, use_lazy=False, init_size_in_bytes=64 << 20, shm_name=""
+    )
+    return StorageManagerConfig(
+        l1_manager_config=L1ManagerConfig(memory_config=memory),
+        eviction_config=EvictionConfig(eviction_policy="LRU"),
+        l2_adapter_config=L2AdaptersConfig([FSL2AdapterConfig(base_path=str(l2_dir))]),
+    )
+
+
+class ServerFactory:
+    """Starts RealServers (the ``real_servers`` fixture); ``close_all`` stops them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._monkeypatch = monkeypatch
+        self._started: list[RealServer] = []
+
+    def __call__(self, kv: HybridKV, chunk_size: int, l2_dir: Path, separate: bool) -> RealServer:
+        server = start_real_server(kv, chunk_size, l2_dir, separate, self._monkeypatch)
+        self._started.append(server)
+        return server
+
+    def close_all(self) -> None:
+        for server in self._started:
+            server.close()
+
+
+def start_real_server(
+    kv: HybridKV,
+    chunk_size: int,
+    l2_dir: Path,
+    separate_object_groups: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> RealServer:
+    """Start a server on ``l2_dir`` and register ``kv`` as LMCacheMPConnector does."""
+    import msgspec
+
+    from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
+    from lmcache.integration.vllm.kv_cache_groups import create_engine_group_infos_from_vllm
+    from lmcache.utils import EngineType
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter
+    from lmcache.v1.gpu_connector.kv_format.detectors import vllm as vllm_detector
+    from lmcache.v1.multiprocess.engine_context import MPCacheServerContext
+    from lmcache.v1.multiprocess.group_view import EngineGroupInfo
+    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as transfer
+    from lmcache.v1.multiprocess.modules.lookup import LookupModule
+
+    # lmcache 0.5.3's detector forces HND on CPU; the GPU path honours the hint.
+    monkeypatch.setattr(vllm_detector, "torch_device_type", "cuda")
+    monkeypatch.setattr(transfer, "DeviceHostFuncDispatcher", _NoopDispatcher)
+    monkeypatch.setattr(transfer, "get_event_ipc_backend", lambda device: _NoopEventBackend())
+
+    reads = DiskReads()
+    original_load = FSL2Adapter.submit_load_task
+
+    def recording_load(self: Any, keys: list[Any], objects: list[Any]) -> Any:
+        reads.loads.extend((k, o.get_size()) for k, o in zip(keys, objects, strict=True))
+        return original_load(self, keys, objects)
+
+    monkeypatch.setattr(FSL2Adapter, "submit_load_task", recording_load)
+
+    l2_dir.mkdir(parents=True, exist_ok=True)
+    ctx = MPCacheServerContext(
+        _storage_config(l2_dir),
+        chunk_size=chunk_size,
+        separate_object_groups=separate_object_groups,
+    )
+
+    def run_now(stream: Any, kind: str, keys: list[Any]) -> None:
+        getattr(ctx.storage_manager, kind)(keys)
+
+    monkeypatch.setattr(transfer, "submit_callback_to_stream", run_now)
+
+    hints = {"kv_layout": kv.layout}
+    edited = apply_kv_cache_group_edits(kv.config, dict(kv.kv_caches), layout_hints=hints)
+    infos = create_engine_group_infos_from_vllm(kv.config, edited, layout_hints=hints)
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(infos), type=list[EngineGroupInfo])
+    module = transfer.LMCacheDrivenTransferModule(ctx)
+    wrappers = [_Wrapper(t) for t in edited.values()]
+    module.register_kv_cache(1, wrappers, MODEL, 1, EngineType.VLLM, hints, wire)
+    return RealServer(ctx, LookupModule(ctx), module, wire, l2_dir, reads)
