@@ -831,6 +831,25 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def expected_separate_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
+    """Bytes of one chunk with --separate-object-groups (patch 0010): the FA object of the
+    whole chunk plus a GDN object holding the chunk's last block only."""
+    per_layer_block = expected_geometry(m, tp).block_size * attn_bytes_per_token(m, tp)
+    fa_layers = m.num_hidden_layers // 4  # 3:1 hybrid
+    fa = fa_layers * per_layer_block * (chunk // expected_geometry(m, tp).block_size)
+    return fa + (m.num_hidden_layers - fa_layers) * per_layer_block
+
+
+def chunk_bytes_of(inventory: dict[str, Any]) -> float | None:
+    """L2 bytes of one chunk from an ``l2_inventory``: the mean object size, summed over
+    object groups when FA and GDN objects are written apart (patch 0010's option)."""
+    groups = inventory.get("per_object_group") or {}
+    means = [g["bytes"] / g["objects"] for g in groups.values() if g.get("objects")]
+    if len(means) > 1:
+        return sum(means)
+    return inventory["bytes"] / inventory["objects"] if inventory.get("objects") else None
+
+
 def expected_pristine_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
     """Pristine 0.5.3's object: every GDN page, but 1 kernel page of r per FA block."""
     r = expected_geometry(m, tp).ratio
@@ -838,17 +857,24 @@ def expected_pristine_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
     return expected_chunk_bytes(m, chunk, tp) - fa_bytes * (r - 1) // r
 
 
-def chunk_bytes_table(runs: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
-    """Bytes of one L2 chunk object per model and chunk, measured (the first run that
-    stored any) against expected, patched and pristine."""
+def chunk_bytes_table(
+    runs: dict[tuple[str, str], list[dict[str, Any]]], separate: bool = False
+) -> list[str]:
+    """Bytes of one L2 chunk per model and chunk, measured (the first run that stored
+    any) against expected, patched and pristine; ``separate``: the patched reports ran
+    with --separate-object-groups (a chunk is an FA object and a one-block GDN object)."""
     seen: dict[tuple[str, int], dict[str, float]] = {}
     for (arm, _), recs in sorted(runs.items()):
-        per = recs[0].get("l2_bytes_per_object")
+        per = chunk_bytes_of(recs[0].get("l2_after_store") or {}) or recs[0].get(
+            "l2_bytes_per_object"
+        )
         if per:
             seen.setdefault((recs[0]["model"], recs[0]["chunk"]), {}).setdefault(arm, per)
+    expected = expected_separate_chunk_bytes if separate else expected_chunk_bytes
     lines = [
-        "| model | N/page/r | chunk | patched expected | patched L2 object | pristine expected "
-        "| pristine L2 object | pristine / patched |",
+        "| model | N/page/r | chunk | patched expected | patched L2 object"
+        + ("s (FA + GDN)" if separate else "")
+        + " | pristine expected | pristine L2 object | pristine / patched |",
         "|" + "---|" * 8,
     ]
     for (model, chunk), arms in sorted(seen.items()):
@@ -856,7 +882,7 @@ def chunk_bytes_table(runs: dict[tuple[str, str], list[dict[str, Any]]]) -> list
         patched, pristine = arms.get("patched"), arms.get("pristine")
         ratio = fmt(pristine / patched) if patched and pristine else "-"
         cells = [model, f"{g.block_size}/{g.kernel_page}/{g.ratio}", str(chunk)]
-        cells += [f"{expected_chunk_bytes(m, chunk):,}", f"{patched:,.0f}" if patched else "-"]
+        cells += [f"{expected(m, chunk):,}", f"{patched:,.0f}" if patched else "-"]
         cells += [f"{expected_pristine_chunk_bytes(m, chunk):,}"]
         cells += [f"{pristine:,.0f}" if pristine else "-", ratio]
         lines.append("| " + " | ".join(cells) + " |")
@@ -886,6 +912,13 @@ def restored_blocks(ev: dict[str, Any]) -> str:
 def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
     """The full matrix, one row per case, from gate reports of both arms (given oldest
     first): each arm's first completed run, and the verdicts of any later runs."""
+    patched_args = {tuple(r.get("server_args") or ()) for r in reports if r["arm"] == "patched"}
+    if len(patched_args) > 1:
+        raise ValueError(
+            f"patched reports ran with different server args {sorted(patched_args)}: "
+            "make one matrix per server configuration"
+        )
+    server_args = next(iter(patched_args), ())
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rep in reports:
         for rec in rep.get("cases", []):
@@ -909,6 +942,7 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
             f"{v.get('vllm', '?')}, torch {v.get('torch', '?')}, flashinfer "
             f"{v.get('flashinfer', '?')}; {len(gpus)} x {gpus[0] if gpus else '?'}; "
             f"{len(rep.get('cases', []))} cases"
+            + (f"; server args {' '.join(rep['server_args'])}" if rep.get("server_args") else "")
         )
     head = (
         "case",
@@ -960,9 +994,15 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
         "## Bytes per L2 chunk object",
         "",
         "Patched objects carry patch 0004's 40-byte trailer; pristine moves 1 FA kernel page "
-        "of r per block (HND pristine cases store nothing).",
+        "of r per block (HND pristine cases store nothing)."
+        + (
+            " With --separate-object-groups a chunk is two objects, each with a trailer: "
+            "FA for the whole chunk, GDN for its last block."
+            if "--separate-object-groups" in server_args
+            else ""
+        ),
         "",
-        *chunk_bytes_table(runs),
+        *chunk_bytes_table(runs, separate="--separate-object-groups" in server_args),
     ]
     return "\n".join(lines) + "\n"
 
@@ -1793,7 +1833,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         reports = [_read_json(p) for p in a.matrix]
         if None in reports:
             ap.error(f"unreadable report among {[str(p) for p in a.matrix]}")
-        print(matrix_report([r for r in reports if r is not None], a.tp), end="")
+        try:
+            print(matrix_report([r for r in reports if r is not None], a.tp), end="")
+        except ValueError as e:
+            ap.error(str(e))
         return 0
     if a.arm is None or a.lmcache_dir is None:
         ap.error("--arm and --lmcache-dir are required (except with --matrix)")

@@ -853,3 +853,30 @@ def test_extra_server_args_come_from_the_environment(monkeypatch) -> None:
     assert gate.extra_server_args() == ["--separate-object-groups", "--x", "a b"]
     monkeypatch.delenv("HYBRIDFA_SERVER_ARGS")
     assert gate.extra_server_args() == []
+
+
+def test_matrix_refuses_to_mix_server_configurations() -> None:
+    plain = {"arm": "patched", "date": "T1", "cases": [_matrix_rec("olmo-r5-NHD-c1N-offset")]}
+    opt = {**plain, "date": "T2", "server_args": ["--separate-object-groups"]}
+    with pytest.raises(ValueError, match="different server args"):
+        gate.matrix_report([plain, opt])
+    assert "server args --separate-object-groups" in gate.matrix_report([opt])
+
+
+def test_matrix_counts_a_chunk_of_separate_object_groups_as_fa_plus_one_gdn_block() -> None:
+    # olmo-r5, chunk 2N, as measured on the H200 (session 8): FA 327,720 B and GDN
+    # 491,560 B objects, each with its 40-byte trailer.
+    rec = _matrix_rec("olmo-r5-NHD-c2N-offset")
+    rec.update(model="olmo-r5", chunk=160, l2_bytes_per_object=409640.0)
+    rec["l2_after_store"] = {
+        "objects": 104,
+        "bytes": 52 * (327720 + 491560),
+        "per_object_group": {
+            "0": {"objects": 52, "bytes": 52 * 491560},
+            "1": {"objects": 52, "bytes": 52 * 327720},
+        },
+    }
+    rep = {"arm": "patched", "date": "T", "server_args": ["--separate-object-groups"]}
+    md = gate.matrix_report([{**rep, "cases": [rec]}])
+    row = next(x for x in md.splitlines() if x.startswith("| olmo-r5 | 80/16/5 | 160 |"))
+    assert "| 819,200 | 819,280 |" in row  # expected FA + one GDN block; measured + 2 trailers
