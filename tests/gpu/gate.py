@@ -834,10 +834,10 @@ def markdown_report(report: dict[str, Any]) -> str:
 def expected_separate_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
     """Bytes of one chunk with --separate-object-groups (patch 0010): the FA object of the
     whole chunk plus a GDN object holding the chunk's last block only."""
-    per_layer_block = expected_geometry(m, tp).block_size * attn_bytes_per_token(m, tp)
+    n = expected_geometry(m, tp).block_size
+    per_layer_block = n * attn_bytes_per_token(m, tp)
     fa_layers = m.num_hidden_layers // 4  # 3:1 hybrid
-    fa = fa_layers * per_layer_block * (chunk // expected_geometry(m, tp).block_size)
-    return fa + (m.num_hidden_layers - fa_layers) * per_layer_block
+    return (fa_layers * (chunk // n) + m.num_hidden_layers - fa_layers) * per_layer_block
 
 
 def chunk_bytes_of(inventory: dict[str, Any]) -> float | None:
