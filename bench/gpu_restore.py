@@ -302,8 +302,7 @@ def prefetch_rate(lines: Sequence[tuple[float, ...]], object_bytes: float) -> di
 def _group_object_bytes(rec: dict[str, Any]) -> dict[str, float]:
     """Mean L2 object size per object group (the GDN-last-chunk prototype writes FA and
     GDN objects apart); empty when the record has no per-group inventory."""
-    groups = (rec.get("l2") or {}).get("per_object_group") or {}
-    return {og: g["bytes"] / g["objects"] for og, g in groups.items() if g.get("objects")}
+    return gate.object_group_means(rec.get("l2") or {})
 
 
 def chunk_object_bytes(rec: dict[str, Any]) -> float | None:

@@ -840,13 +840,18 @@ def expected_separate_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
     return (fa_layers * (chunk // n) + m.num_hidden_layers - fa_layers) * per_layer_block
 
 
+def object_group_means(inventory: dict[str, Any]) -> dict[str, float]:
+    """Mean object size per object group of an ``l2_inventory``."""
+    groups = inventory.get("per_object_group") or {}
+    return {og: g["bytes"] / g["objects"] for og, g in groups.items() if g.get("objects")}
+
+
 def chunk_bytes_of(inventory: dict[str, Any]) -> float | None:
     """L2 bytes of one chunk from an ``l2_inventory``: the mean object size, summed over
     object groups when FA and GDN objects are written apart (patch 0010's option)."""
-    groups = inventory.get("per_object_group") or {}
-    means = [g["bytes"] / g["objects"] for g in groups.values() if g.get("objects")]
+    means = object_group_means(inventory)
     if len(means) > 1:
-        return sum(means)
+        return sum(means.values())
     return inventory["bytes"] / inventory["objects"] if inventory.get("objects") else None
 
 

@@ -33,12 +33,6 @@ class DiskReads:
     def nbytes(self) -> int:
         return sum(n for _, n in self.loads)
 
-    def by_object_group(self) -> dict[int, list[int]]:
-        groups: dict[int, list[int]] = {}
-        for key, n in self.loads:
-            groups.setdefault(key.object_group_id, []).append(n)
-        return groups
-
 
 @dataclass
 class RealServer:

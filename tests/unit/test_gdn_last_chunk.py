@@ -1,4 +1,4 @@
-"""A restore reads GDN state for its last hit chunk only (patch 0009).
+"""A restore reads GDN state for its last hit chunk only (patch 0010).
 
 With ``--separate-object-groups`` a recurrent (Mamba/GDN) group is stored as its own
 object group with a window of one block, so a restore after a restart reads the FA
@@ -28,8 +28,8 @@ FA_GROUP = 3  # engine group order: Mamba groups 0-2, FA group 3
 NUM_BLOCKS = 32
 
 
-def prompt(chunk: int, num_tokens: int, offset: int = 1000) -> list[int]:
-    return list(range(offset, offset + num_tokens))
+def prompt(num_tokens: int) -> list[int]:
+    return list(range(1000, 1000 + num_tokens))
 
 
 def store_ids(blocks: int) -> list[list[int]]:
@@ -66,12 +66,17 @@ def gdn_bytes(kv: HybridKV) -> int:
 
 
 def stored(
-    real_servers: ServerFactory, l2: Path, layout: str, chunk: int, separate: bool
+    real_servers: ServerFactory,
+    l2: Path,
+    layout: str,
+    chunk: int,
+    separate: bool,
+    page: int = PAGE,
 ) -> HybridKV:
     """Store NUM_CHUNKS chunks of ``prompt`` to ``l2`` and stop that server."""
-    kv = build_hybrid_kv(N, PAGE, layout, num_blocks=NUM_BLOCKS, seed=0)
+    kv = build_hybrid_kv(N, page, layout, num_blocks=NUM_BLOCKS, seed=0)
     server = real_servers(kv, chunk, l2, separate)
-    tokens = prompt(chunk, NUM_CHUNKS * chunk + 1)
+    tokens = prompt(NUM_CHUNKS * chunk + 1)
     assert server.store("store", tokens, store_ids(NUM_CHUNKS * chunk // N))
     server.wait_l2_files(NUM_CHUNKS * server.num_object_groups)
     server.close()
@@ -84,9 +89,27 @@ def fa_object_group(server: Any) -> int:
     return windows.index(-1)
 
 
-def restart(real_servers: ServerFactory, l2: Path, layout: str, chunk: int, separate: bool) -> Any:
+def restarted(
+    real_servers: ServerFactory, tmp_path: Path, layout: str = "NHD", chunk: int = N
+) -> tuple[HybridKV, HybridKV, Any]:
+    """Store with --separate-object-groups, then start a new server and engine KV on the
+    same folder: (stored KV, new KV, new server)."""
+    l2 = tmp_path / "l2"
+    src = stored(real_servers, l2, layout, chunk, separate=True)
     kv = build_hybrid_kv(N, PAGE, layout, num_blocks=NUM_BLOCKS, seed=1)
-    return kv, real_servers(kv, chunk, l2, separate)
+    return src, kv, real_servers(kv, chunk, l2, True)
+
+
+def assert_gdn_state_restored(
+    kv: HybridKV, src: HybridKV, ids: list[list[int]], stored_block: int
+) -> None:
+    """Every GDN layer's last destination block holds the stored state of block
+    ``stored_block`` (an index into store_ids(NUM_CHUNKS))."""
+    for layer in range(NUM_LAYERS):
+        g = group_of(layer)
+        if g != FA_GROUP:
+            s = store_ids(NUM_CHUNKS)[g][stored_block]
+            assert torch.equal(kv.block_bytes(layer, ids[g][-1]), src.block_bytes(layer, s))
 
 
 # ---------------------------------------------------------------------------------
@@ -96,10 +119,8 @@ def restart(real_servers: ServerFactory, l2: Path, layout: str, chunk: int, sepa
 @pytest.mark.fix
 @pytest.mark.parametrize("chunk", [N, 2 * N], ids=["chunk=N", "chunk=2N"])
 def test_restore_loads_gdn_objects_of_the_last_hit_chunk_only(real_servers, tmp_path, chunk):
-    l2 = tmp_path / "l2"
-    stored(real_servers, l2, "NHD", chunk, separate=True)
-    kv, server = restart(real_servers, l2, "NHD", chunk, separate=True)
-    tokens = prompt(chunk, NUM_CHUNKS * chunk + 1)
+    _, kv, server = restarted(real_servers, tmp_path, chunk=chunk)
+    tokens = prompt(NUM_CHUNKS * chunk + 1)
 
     hit = server.lookup("restore", tokens[:-1])
 
@@ -122,10 +143,8 @@ def test_restore_loads_gdn_objects_of_the_last_hit_chunk_only(real_servers, tmp_
 
 @pytest.mark.fix
 def test_restore_reads_fa_for_every_chunk_and_one_gdn_state(real_servers, tmp_path):
-    l2 = tmp_path / "l2"
-    stored(real_servers, l2, "NHD", N, separate=True)
-    kv, server = restart(real_servers, l2, "NHD", N, separate=True)
-    tokens = prompt(N, NUM_CHUNKS * N + 1)
+    _, kv, server = restarted(real_servers, tmp_path)
+    tokens = prompt(NUM_CHUNKS * N + 1)
 
     hit = server.lookup("restore", tokens[:-1])
 
@@ -150,10 +169,8 @@ def test_restore_after_restart_is_bitwise(real_servers, tmp_path, layout, chunk,
     """FA blocks of every hit chunk and the GDN state at the hit boundary are the stored
     bytes; nothing else changes. A prompt of exactly 3 chunks hits 2 (patch 0002: its
     last token is recomputed), so the state is the one after chunk 2, not chunk 3."""
-    l2 = tmp_path / "l2"
-    src = stored(real_servers, l2, layout, chunk, separate=True)
-    kv, server = restart(real_servers, l2, layout, chunk, separate=True)
-    tokens = prompt(chunk, NUM_CHUNKS * chunk + extra)
+    src, kv, server = restarted(real_servers, tmp_path, layout, chunk)
+    tokens = prompt(NUM_CHUNKS * chunk + extra)
 
     hit = server.lookup("restore", tokens[:-1])
     assert hit == (NUM_CHUNKS if extra else NUM_CHUNKS - 1)
@@ -186,14 +203,12 @@ def test_restore_after_restart_is_bitwise(real_servers, tmp_path, layout, chunk,
 def test_missing_gdn_object_of_the_last_chunk_shortens_the_hit(real_servers, tmp_path):
     """FA objects of all chunks are on disk, the GDN object of the last one is not: the
     hit ends a chunk earlier, on a GDN state that exists."""
-    l2 = tmp_path / "l2"
-    src = stored(real_servers, l2, "NHD", N, separate=True)
-    kv, server = restart(real_servers, l2, "NHD", N, separate=True)
-    tokens = prompt(N, NUM_CHUNKS * N + 1)
+    src, kv, server = restarted(real_servers, tmp_path)
+    tokens = prompt(NUM_CHUNKS * N + 1)
     gdn_keys = server.object_keys(tokens, NUM_CHUNKS)[0]
     (gone,) = [
         p
-        for p in l2.iterdir()
+        for p in server.l2_dir.iterdir()
         if p.name.endswith(gdn_keys[-1].chunk_hash.hex() + ".data") and "@0@" in p.name
     ]
     gone.unlink()
@@ -203,11 +218,7 @@ def test_missing_gdn_object_of_the_last_chunk_shortens_the_hit(real_servers, tmp
     assert hit == NUM_CHUNKS - 1
     ids = restore_ids(hit)
     assert server.retrieve("restore", tokens, 0, hit * N, ids)
-    for layer in range(NUM_LAYERS):
-        g = group_of(layer)
-        if g != FA_GROUP:
-            s = store_ids(NUM_CHUNKS)[g][hit - 1]
-            assert torch.equal(kv.block_bytes(layer, ids[g][-1]), src.block_bytes(layer, s))
+    assert_gdn_state_restored(kv, src, ids, hit - 1)
 
 
 # ---------------------------------------------------------------------------------
@@ -225,12 +236,8 @@ def test_objects_of_the_other_object_group_split_are_a_miss(
     real_servers, tmp_path, writer, reader, page
 ):
     l2 = tmp_path / "l2"
-    kv = build_hybrid_kv(N, page, "NHD", num_blocks=NUM_BLOCKS, seed=0)
-    first = real_servers(kv, N, l2, writer)
-    tokens = prompt(N, NUM_CHUNKS * N + 1)
-    assert first.store("store", tokens, store_ids(NUM_CHUNKS))
-    first.wait_l2_files(NUM_CHUNKS * first.num_object_groups)
-    first.close()
+    stored(real_servers, l2, "NHD", N, writer, page=page)
+    tokens = prompt(NUM_CHUNKS * N + 1)
 
     kv2 = build_hybrid_kv(N, page, "NHD", num_blocks=NUM_BLOCKS, seed=1)
     second = real_servers(kv2, N, l2, reader)
@@ -248,10 +255,8 @@ def test_objects_of_the_other_object_group_split_are_a_miss(
 
 
 def test_no_read_lock_is_left_after_a_restore(real_servers, tmp_path):
-    l2 = tmp_path / "l2"
-    stored(real_servers, l2, "NHD", N, separate=True)
-    kv, server = restart(real_servers, l2, "NHD", N, separate=True)
-    tokens = prompt(N, NUM_CHUNKS * N + 1)
+    _, kv, server = restarted(real_servers, tmp_path)
+    tokens = prompt(NUM_CHUNKS * N + 1)
     keys = [k for group in server.object_keys(tokens, NUM_CHUNKS) for k in group]
 
     hit = server.lookup("restore", tokens[:-1])
@@ -264,10 +269,8 @@ def test_freeing_a_longer_hit_keeps_another_request_s_gdn_lock(real_servers, tmp
     """Request B's hit ends at chunk 2, whose GDN object only B holds. Request A hits
     3 chunks, of which vLLM's own cache holds 2: its free_lookup_locks over chunks 0-1
     must not release B's GDN lock, or B's retrieve finds nothing."""
-    l2 = tmp_path / "l2"
-    src = stored(real_servers, l2, "NHD", N, separate=True)
-    kv, server = restart(real_servers, l2, "NHD", N, separate=True)
-    tokens = prompt(N, NUM_CHUNKS * N + 1)
+    src, kv, server = restarted(real_servers, tmp_path)
+    tokens = prompt(NUM_CHUNKS * N + 1)
     short = tokens[: 2 * N] + [7]
 
     assert server.lookup("A", tokens[:-1]) == NUM_CHUNKS
@@ -278,11 +281,7 @@ def test_freeing_a_longer_hit_keeps_another_request_s_gdn_lock(real_servers, tmp
 
     ids = restore_ids(2)
     assert server.retrieve("B", short, 0, 2 * N, ids)
-    for layer in range(NUM_LAYERS):
-        g = group_of(layer)
-        if g != FA_GROUP:
-            s = store_ids(NUM_CHUNKS)[g][1]
-            assert torch.equal(kv.block_bytes(layer, ids[g][-1]), src.block_bytes(layer, s))
+    assert_gdn_state_restored(kv, src, ids, 1)
 
 
 def test_l1_window_lock_is_released_when_l2_extends_the_hit(real_servers, tmp_path):
@@ -291,7 +290,7 @@ def test_l1_window_lock_is_released_when_l2_extends_the_hit(real_servers, tmp_pa
     l2 = tmp_path / "l2"
     kv = build_hybrid_kv(N, PAGE, "NHD", num_blocks=NUM_BLOCKS, seed=0)
     server = real_servers(kv, N, l2, True)
-    tokens = prompt(N, NUM_CHUNKS * N + 1)
+    tokens = prompt(NUM_CHUNKS * N + 1)
     assert server.store("store", tokens, store_ids(NUM_CHUNKS))
     server.wait_l2_files(NUM_CHUNKS * server.num_object_groups)
     groups = server.object_keys(tokens, NUM_CHUNKS)
