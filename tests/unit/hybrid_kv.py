@@ -63,8 +63,36 @@ class HybridKV:
         return self.raw_of(layer)[start : start + self.page_bytes]
 
 
+@dataclass(frozen=True)
+class GDNState:
+    """The GDN state layout inside a Mamba page, as vLLM's MambaSpec declares it.
+
+    ``spec_tokens`` is MTP's num_speculative_tokens (the conv state holds
+    ``CONV_WIDTH - 1 + spec_tokens`` columns), ``dim_first`` is
+    VLLM_SSM_CONV_STATE_LAYOUT=DS (SD puts the state length first).
+    """
+
+    spec_tokens: int = 0
+    dim_first: bool = True
+    ssm_dtype: torch.dtype = torch.float32
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        state_len = CONV_WIDTH - 1 + self.spec_tokens
+        return (CONV_DIM, state_len) if self.dim_first else (state_len, CONV_DIM)
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        return (SSM_HEADS, SSM_DIM, SSM_DIM)
+
+
 def build_hybrid_kv(
-    tokens_per_block: int, page: int, layout: str, num_blocks: int = 12, seed: int = 0
+    tokens_per_block: int,
+    page: int,
+    layout: str,
+    num_blocks: int = 12,
+    seed: int = 0,
+    gdn: GDNState = GDNState(),
 ) -> HybridKV:
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -84,10 +112,11 @@ def build_hybrid_kv(
     assert fa_spec.page_size_bytes == kv.page_bytes
     mamba_spec = MambaSpec(
         block_size=tokens_per_block,
-        shapes=((CONV_DIM, CONV_WIDTH - 1), (SSM_HEADS, SSM_DIM, SSM_DIM)),
-        dtypes=(torch.bfloat16, torch.float32),
+        shapes=(gdn.conv_shape, gdn.ssm_shape),
+        dtypes=(torch.bfloat16, gdn.ssm_dtype),
         page_size_padded=kv.page_bytes,
         mamba_cache_mode="align",
+        num_speculative_blocks=gdn.spec_tokens,
     )
     groups = [[layer_name(i) for i in range(NUM_LAYERS) if i % 4 == g] for g in range(4)]
     specs = [mamba_spec, mamba_spec, mamba_spec, fa_spec]
@@ -111,7 +140,7 @@ def build_hybrid_kv(
         if i in FA_LAYERS:
             kv.kv_caches[layer_name(i)] = _fa_view(raw, kv)
         else:
-            kv.kv_caches[layer_name(i)] = _gdn_views(raw, kv.page_bytes, num_blocks)
+            kv.kv_caches[layer_name(i)] = _gdn_views(raw, kv.page_bytes, num_blocks, gdn)
     return kv
 
 
@@ -152,20 +181,21 @@ def _fa_view(raw: torch.Tensor, kv: HybridKV) -> torch.Tensor:
     return elems.view(pages, kv.page, NUM_KV_HEADS, 2 * HEAD_SIZE).permute(0, 2, 1, 3)
 
 
-def _gdn_views(raw: torch.Tensor, page_bytes: int, num_blocks: int) -> list[torch.Tensor]:
+def _gdn_views(
+    raw: torch.Tensor, page_bytes: int, num_blocks: int, gdn: GDNState
+) -> list[torch.Tensor]:
+    """[conv_state, ssm_state] as_strided over the padded page, as vLLM registers them."""
     conv = raw.view(torch.bfloat16)
-    conv_view = torch.as_strided(
-        conv,
-        (num_blocks, CONV_DIM, CONV_WIDTH - 1),
-        (page_bytes // 2, CONV_WIDTH - 1, 1),
-    )
-    conv_bytes = CONV_DIM * (CONV_WIDTH - 1) * 2
-    ssm = raw.view(torch.float32)
+    rows, cols = gdn.conv_shape
+    conv_view = torch.as_strided(conv, (num_blocks, rows, cols), (page_bytes // 2, cols, 1))
+    conv_bytes = rows * cols * 2
+    ssm = raw.view(gdn.ssm_dtype)
+    size = ssm.element_size()
     ssm_view = torch.as_strided(
         ssm,
         (num_blocks, SSM_HEADS, SSM_DIM, SSM_DIM),
-        (page_bytes // 4, SSM_DIM * SSM_DIM, SSM_DIM, 1),
-        storage_offset=conv_bytes // 4,
+        (page_bytes // size, SSM_DIM * SSM_DIM, SSM_DIM, 1),
+        storage_offset=conv_bytes // size,
     )
     return [conv_view, ssm_view]
 

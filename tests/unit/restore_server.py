@@ -147,8 +147,17 @@ class ServerFactory:
         self._monkeypatch = monkeypatch
         self._started: list[RealServer] = []
 
-    def __call__(self, kv: HybridKV, chunk_size: int, l2_dir: Path, separate: bool) -> RealServer:
-        server = start_real_server(kv, chunk_size, l2_dir, separate, self._monkeypatch)
+    def __call__(
+        self,
+        kv: HybridKV,
+        chunk_size: int,
+        l2_dir: Path,
+        separate: bool,
+        pristine_client: bool = False,
+    ) -> RealServer:
+        server = start_real_server(
+            kv, chunk_size, l2_dir, separate, self._monkeypatch, pristine_client
+        )
         self._started.append(server)
         return server
 
@@ -163,8 +172,10 @@ def start_real_server(
     l2_dir: Path,
     separate_object_groups: bool,
     monkeypatch: pytest.MonkeyPatch,
+    pristine_client: bool = False,
 ) -> RealServer:
-    """Start a server on ``l2_dir`` and register ``kv`` as LMCacheMPConnector does."""
+    """Start a server on ``l2_dir`` and register ``kv`` as LMCacheMPConnector does;
+    with ``pristine_client``, with the group infos a pristine 0.5.3 client sends."""
     import msgspec
 
     from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
@@ -206,6 +217,16 @@ def start_real_server(
     hints = {"kv_layout": kv.layout}
     edited = apply_kv_cache_group_edits(kv.config, dict(kv.kv_caches), layout_hints=hints)
     infos = create_engine_group_infos_from_vllm(kv.config, edited, layout_hints=hints)
+    if pristine_client:
+        infos = [
+            EngineGroupInfo(
+                engine_group_id=i.engine_group_id,
+                layer_indices=i.layer_indices,
+                tokens_per_block=i.tokens_per_block,
+                sw_size_tokens=i.sw_size_tokens,
+            )
+            for i in infos
+        ]
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(infos), type=list[EngineGroupInfo])
     module = transfer.LMCacheDrivenTransferModule(ctx)
     wrappers = [_Wrapper(t) for t in edited.values()]

@@ -31,6 +31,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MambaSpec,
 )
 from vllm.v1.request import Request  # noqa: E402
+from vllm_sched_fakes import this_build_experimental  # noqa: E402
 
 from lmcache.integration.vllm import lmcache_mp_connector, vllm_multi_process_adapter  # noqa: E402
 from lmcache.v1.multiprocess.protocol import RequestType  # noqa: E402
@@ -61,6 +62,8 @@ class _FakeServer:
     def answer(self, request_type: RequestType, payloads: list[Any]) -> Any:
         if request_type == RequestType.GET_CHUNK_SIZE:
             return CHUNK
+        if request_type == RequestType.GET_EXPERIMENTAL:  # the layout handshake
+            return this_build_experimental()
         if request_type == RequestType.PING:  # the scheduler's heartbeat (patch 0006)
             return True
         if request_type == RequestType.LOOKUP:

@@ -222,35 +222,6 @@ def test_missing_gdn_object_of_the_last_chunk_shortens_the_hit(real_servers, tmp
 
 
 # ---------------------------------------------------------------------------------
-# layout namespace: objects of the other object-group split are a miss
-
-
-@pytest.mark.fix
-@pytest.mark.parametrize(
-    ("writer", "reader"),
-    [(False, True), (True, False)],
-    ids=["unsplit-read-split", "split-read-unsplit"],
-)
-@pytest.mark.parametrize("page", [PAGE, N], ids=["r5", "r1"])
-def test_objects_of_the_other_object_group_split_are_a_miss(
-    real_servers, tmp_path, writer, reader, page
-):
-    l2 = tmp_path / "l2"
-    stored(real_servers, l2, "NHD", N, writer, page=page)
-    tokens = prompt(NUM_CHUNKS * N + 1)
-
-    kv2 = build_hybrid_kv(N, page, "NHD", num_blocks=NUM_BLOCKS, seed=1)
-    second = real_servers(kv2, N, l2, reader)
-    hit = second.lookup("restore", tokens[:-1])
-
-    assert hit == 0, (
-        f"a server {'with' if reader else 'without'} --separate-object-groups hit {hit} "
-        f"chunks written {'with' if writer else 'without'} it"
-    )
-    assert second.reads.nbytes == 0
-
-
-# ---------------------------------------------------------------------------------
 # read locks
 
 

@@ -236,3 +236,43 @@ def test_pristine_objects_of_a_non_hybrid_model_keep_hitting(layout, adapter, mo
     hits, bufs = load(adapter, keys, size)
     assert hits == [True] * len(keys)
     assert [bytes(b.data) for b in bufs] == payloads
+
+
+# ---------------------------------------------------------------------------------
+# (d) a namespaced object is written only with its trailer, and only when complete
+
+
+def _namespaced_key() -> Any:
+    from lmcache.v1.distributed.api import ObjectKey
+
+    return ObjectKey(chunk_hash=HASHES[0], model_name=f"{MODEL}~hfa-0123456789abcdef", kv_rank=0)
+
+
+@pytest.mark.fix
+def test_a_namespaced_object_without_its_trailer_is_a_miss(adapter, tmp_path):
+    key = _namespaced_key()
+    store(adapter, [key], [PAYLOAD])
+    path = one_object_file(tmp_path / "l2")
+    path.write_bytes(path.read_bytes()[: len(PAYLOAD)])  # the payload alone, no trailer
+    hits, _ = load(adapter, [key], len(PAYLOAD))
+    assert hits == [False], "a namespaced object without its trailer was loaded"
+
+
+@pytest.mark.fix
+def test_an_object_is_on_disk_before_its_name_appears(adapter, tmp_path, monkeypatch):
+    import os
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    store(adapter, [_plain_key()], [PAYLOAD])
+    base = str((tmp_path / "l2").resolve())
+    assert any(p.startswith(base + "/") and p.endswith(".tmp") for p in synced), (
+        f"the object file was not synced before its rename: {synced}"
+    )
+    assert base in synced, f"the folder entry was not synced after the rename: {synced}"

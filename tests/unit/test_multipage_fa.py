@@ -43,13 +43,22 @@ def _sorted_values(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _chunk_sources(kv: HybridKV, ids: list[list[int]], chunk: int, blocks: int) -> list:
-    """Bytes vLLM holds for chunk ``chunk`` (``blocks`` logical blocks per chunk)."""
+    """Bytes a chunk must keep (``blocks`` logical blocks per chunk): every FA block,
+    and for each GDN layer the state of its last block, the one a restore resumes from."""
     parts = []
     for layer in range(NUM_LAYERS):
         group = 3 if layer in FA_LAYERS else layer % 4
-        for block_id in ids[group][chunk * blocks : (chunk + 1) * blocks]:
+        chunk_ids = ids[group][chunk * blocks : (chunk + 1) * blocks]
+        for block_id in chunk_ids if layer in FA_LAYERS else chunk_ids[-1:]:
             parts.append(kv.block_bytes(layer, block_id))
     return parts
+
+
+def _restored_pairs(group: int, store_ids: list[int], restore_ids: list[int]) -> list:
+    """(stored, restored) blocks a restore must bring back: every FA block, and the
+    GDN state of the last block."""
+    pairs = list(zip(store_ids, restore_ids, strict=True))
+    return pairs if group == 3 else pairs[-1:]
 
 
 def _snapshot(kv: HybridKV, layers: int = NUM_LAYERS) -> dict[tuple[int, int], torch.Tensor]:
@@ -62,8 +71,12 @@ def _snapshot(kv: HybridKV, layers: int = NUM_LAYERS) -> dict[tuple[int, int], t
 
 
 def _stored_objects(server) -> list[torch.Tensor]:
+    """The bytes stored for each chunk, over all its objects (keys: request, group, chunk)."""
     objs = server.ctx.storage_manager.objects
-    return [objs[k].raw_tensor for k in sorted(objs, key=lambda k: k[2])]
+    chunks = sorted({k[2] for k in objs})
+    return [
+        torch.cat([objs[k].raw_tensor for k in sorted(objs) if k[2] == c]) for c in chunks
+    ]
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -103,7 +116,7 @@ def test_round_trip_is_bitwise_and_touches_only_destination_blocks(n, page, layo
     destinations = set()
     for layer in range(NUM_LAYERS):
         group = 3 if layer in FA_LAYERS else layer % 4
-        for src, dst in zip(STORE_IDS[group], RESTORE_IDS[group], strict=True):
+        for src, dst in _restored_pairs(group, STORE_IDS[group], RESTORE_IDS[group]):
             assert torch.equal(kv.block_bytes(layer, dst), before[(layer, src)]), (
                 f"layer {layer}: block {dst} is not the stored block {src}"
             )
@@ -121,13 +134,11 @@ def test_chunk_of_two_blocks_round_trips(n, page, layout, monkeypatch):
     kv = build_hybrid_kv(n, page, layout)
     server = start_server(kv, chunk_size=2 * n, monkeypatch=monkeypatch)
     assert server.store("A", 2 * n, STORE_IDS)
-    (obj,) = _stored_objects(server)
-    assert torch.equal(_sorted_values([obj]), _sorted_values(_chunk_sources(kv, STORE_IDS, 0, 2)))
     sources = _snapshot(kv)
     assert server.retrieve("A", 2 * n, RESTORE_IDS)
     for layer in range(NUM_LAYERS):
         group = 3 if layer in FA_LAYERS else layer % 4
-        for src, dst in zip(STORE_IDS[group], RESTORE_IDS[group], strict=True):
+        for src, dst in _restored_pairs(group, STORE_IDS[group], RESTORE_IDS[group]):
             assert torch.equal(kv.block_bytes(layer, dst), sources[(layer, src)])
 
 
@@ -137,10 +148,11 @@ def test_prefetch_layout_after_restart_holds_every_page(layout, monkeypatch):
     n, page = 544, 32
     kv = build_hybrid_kv(n, page, layout)
     server = start_server(kv, chunk_size=n, monkeypatch=monkeypatch)
-    registered = server.ctx.layout_desc_registry.find("hybrid", 1)
+    registered = server.ctx.layout_desc_registry.find_group_layout_descs("hybrid", 1)
     sizes = [
         torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-        for s, d in zip(registered.shapes, registered.dtypes, strict=True)
+        for desc in registered.values()
+        for s, d in zip(desc.shapes, desc.dtypes, strict=True)
     ]
     assert sum(sizes) == NUM_LAYERS * kv.page_bytes
 
@@ -175,11 +187,15 @@ def test_staging_copies_cover_each_object_once_without_touching_its_metadata(lay
 
     chunk_bytes = NUM_LAYERS * kv.page_bytes
     by_ptr = {o.data_ptr: o for o in objs.values()}
-    assert len(copies) == 4  # 2 chunks stored, 2 restored: one whole-object copy each
+    # Stored: every object of both chunks; restored: FA of both, GDN of the last.
+    assert len(copies) == len(objs) + len(objs) - 1
     for data_ptr, address, size, staging_bytes in copies:
         obj = by_ptr[data_ptr]
         assert data_ptr == obj.raw_tensor.data_ptr() and address == 0
-        assert size == staging_bytes == chunk_bytes
+        assert size == staging_bytes == obj.get_size()
+    for chunk in (0, 1):
+        stored = sum(o.get_size() for k, o in objs.items() if k[2] == chunk)
+        assert stored == chunk_bytes, f"chunk {chunk}: {stored} bytes of {chunk_bytes}"
     assert {k: (o.meta.address, o.meta.shape, list(o.meta.shapes)) for k, o in objs.items()} == (
         metas
     )
@@ -201,8 +217,12 @@ def test_gdn_blocks_survive_the_fa_restore(n, page, layout, monkeypatch):
     for layer in range(NUM_LAYERS):
         if layer in FA_LAYERS:
             continue
-        for src, dst in zip(STORE_IDS[layer % 4], RESTORE_IDS[layer % 4], strict=True):
-            assert torch.equal(kv.block_bytes(layer, dst), sources[(layer, src)])
+        (src, dst), *_ = _restored_pairs(layer % 4, STORE_IDS[layer % 4], RESTORE_IDS[layer % 4])
+        assert torch.equal(kv.block_bytes(layer, dst), sources[(layer, src)])
+        for other in RESTORE_IDS[layer % 4][:-1]:
+            assert torch.equal(kv.block_bytes(layer, other), sources[(layer, other)]), (
+                f"GDN layer {layer}: block {other}, not a destination, was overwritten"
+            )
 
 
 @pytest.mark.parametrize("page", [16, 32])
@@ -273,3 +293,51 @@ def _registered_wrappers(kv: HybridKV) -> list:
 
     edited = apply_kv_cache_group_edits(kv.config, dict(kv.kv_caches), {"kv_layout": "HND"})
     return [_Wrapper(t) for t in edited.values()]
+
+
+def _with_fa_group_spec(kv: HybridKV, spec_cls: type, **extra: object) -> HybridKV:
+    """The same tensors, with vLLM declaring the attention group ``spec_cls``."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    groups = list(kv.config.kv_cache_groups)
+    fa = groups[3].kv_cache_spec
+    spec = spec_cls(
+        block_size=fa.block_size,
+        num_kv_heads=fa.num_kv_heads,
+        head_size=fa.head_size,
+        dtype=fa.dtype,
+        **extra,
+    )
+    groups[3] = KVCacheGroupSpec(groups[3].layer_names, spec)
+    kv.config = dataclasses.replace(kv.config, kv_cache_groups=groups)
+    return kv
+
+
+SUBPAGEABLE = {
+    "sliding-window": ("SlidingWindowSpec", {"sliding_window": 160}),
+    "chunked-local": ("ChunkedLocalAttentionSpec", {"attention_chunk_size": 160}),
+}
+
+
+@pytest.mark.fix
+@pytest.mark.parametrize("kind", list(SUBPAGEABLE))
+def test_a_subpaged_attention_group_that_is_not_full_attention_is_refused(kind, monkeypatch):
+    from vllm.v1 import kv_cache_interface
+
+    name, extra = SUBPAGEABLE[kind]
+    spec_cls = getattr(kv_cache_interface, name)
+    kv = _with_fa_group_spec(build_hybrid_kv(80, 16, "HND"), spec_cls, **extra)
+    with pytest.raises(ValueError, match=rf"{name} layers .*model\.layers\.3\.self_attn.*80-token"):
+        start_server(kv, chunk_size=80, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("kind", list(SUBPAGEABLE))
+def test_an_attention_group_of_whole_pages_is_served(kind, monkeypatch):
+    from vllm.v1 import kv_cache_interface
+
+    name, extra = SUBPAGEABLE[kind]
+    spec_cls = getattr(kv_cache_interface, name)
+    kv = _with_fa_group_spec(build_hybrid_kv(80, 80, "HND"), spec_cls, **extra)
+    assert start_server(kv, chunk_size=80, monkeypatch=monkeypatch).engine_group_infos

@@ -59,13 +59,18 @@ class LMCacheServerStub:
             time.sleep(status_delay_s)
             return None if self.status_queries <= running_replies else hit_chunks
 
+        def get_experimental() -> list[str]:
+            return []
+
         handlers = {
             RequestType.GET_CHUNK_SIZE: get_chunk_size,
+            RequestType.GET_EXPERIMENTAL: get_experimental,
             RequestType.PING: ping,
             RequestType.LOOKUP: lookup,
             RequestType.QUERY_PREFETCH_STATUS: query_prefetch_status,
         }
-        blocking = [rt for rt in handlers if rt != RequestType.GET_CHUNK_SIZE]
+        sync = (RequestType.GET_CHUNK_SIZE, RequestType.GET_EXPERIMENTAL)
+        blocking = [rt for rt in handlers if rt not in sync]
         self.server = serve(url, ctx, handlers, blocking)
 
     def die(self) -> None:

@@ -68,12 +68,34 @@ def make_kv_cache_config(num_spec_blocks: int | None, num_blocks: int = 64) -> K
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-class FakeSchedulerAdapter:
-    """Stands in for LMCacheMPSchedulerAdapter: no server; lookups answer ``hits``."""
+def this_build_layout_format() -> int:
+    """The layout format a server of the build under test advertises (0: pristine)."""
+    try:
+        from lmcache.v1.distributed.layout_namespace import LAYOUT_FORMAT
+    except ImportError:
+        return 0
+    return LAYOUT_FORMAT
 
-    def __init__(self, chunk: int) -> None:
+
+def this_build_experimental() -> list[str]:
+    """What a server of the build under test answers to GET_EXPERIMENTAL."""
+    try:
+        from lmcache.v1.distributed.layout_namespace import server_marker
+    except ImportError:
+        return []
+    return [server_marker()]
+
+
+class FakeSchedulerAdapter:
+    """Stands in for LMCacheMPSchedulerAdapter: no server; lookups answer ``hits``.
+    ``server_layout_format`` is what the server advertises (0: a pristine server)."""
+
+    def __init__(self, chunk: int, server_layout_format: int | None = None) -> None:
         self.lmcache_tokens_per_chunk = chunk
         self.hits: dict[str, int] = {}
+        if server_layout_format is None:
+            server_layout_format = this_build_layout_format()
+        self.server_layout_formats = {"tcp://fake:5555": server_layout_format}
 
     def maybe_submit_lookup_request(self, request_id: str, **_: Any) -> None:
         return None
@@ -117,13 +139,16 @@ def _fake_vllm_config(max_num_batched_tokens: int, mamba: bool) -> Any:
 
 
 def make_connector(
-    kv_cache_config: KVCacheConfig, chunk: int, monkeypatch: pytest.MonkeyPatch
+    kv_cache_config: KVCacheConfig,
+    chunk: int,
+    monkeypatch: pytest.MonkeyPatch,
+    server_layout_format: int | None = None,
 ) -> Any:
     """The real scheduler-side LMCacheMPConnector, built by its real __init__."""
     monkeypatch.setattr(
         mpc,
         "LMCacheMPSchedulerAdapter",
-        lambda **_: FakeSchedulerAdapter(chunk),
+        lambda **_: FakeSchedulerAdapter(chunk, server_layout_format),
     )
     monkeypatch.setattr(mpc, "print_banner_once", lambda *_: None)
     vllm_config = _fake_vllm_config(BLOCK, kv_cache_config.has_mamba_layers)

@@ -1,0 +1,244 @@
+"""Store under one configuration, restart, load under another: equal bytes or a miss.
+
+Every knob that changes what a hybrid model's stored bytes mean (MTP's conv-state
+length, the conv-state layout, the SSM dtype, NHD/HND, FlashInfer's kernel pages or
+FlashAttention's whole blocks, the chunk size, the object-group split, the layout
+format) must make the objects written under the other setting a miss. Every row stores
+a prompt through a whole LMCache server on CPU over an fs L2 folder (restore_server),
+stops it, and looks the prompt up through a new server on the same folder with the
+other setting. A row with the same setting on both sides must restore every byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.kv_cache_interface")
+pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
+
+from hybrid_kv import FA_LAYERS, NUM_LAYERS, GDNState, HybridKV, build_hybrid_kv  # noqa: E402
+from restore_server import ServerFactory  # noqa: E402
+
+N, PAGE = 80, 16  # vLLM block of 5 FlashInfer kernel pages
+BLOCKS = 12  # the prompt: 12 blocks, a whole number of chunks at N, 2N and 3N
+NUM_BLOCKS = 64
+FA_GROUP = 3  # engine group order: Mamba groups 0-2, FA group 3
+
+
+@dataclass(frozen=True)
+class Setup:
+    layout: str = "NHD"
+    page: int = PAGE  # FlashInfer's kernel page; N is FlashAttention (page = block)
+    chunk: int = N
+    separate: bool = False  # lmcache server --separate-object-groups
+    gdn: GDNState = GDNState()
+
+    def but(self, **changes: Any) -> Setup:
+        return dataclasses.replace(self, **changes)
+
+
+BASE = Setup()
+
+
+def tokens() -> list[int]:
+    return list(range(1000, 1000 + BLOCKS * N + 1))
+
+
+def store_ids(chunk: int = N, nulled: bool = False) -> list[list[int]]:
+    """Block ids of the stored prompt; ``nulled``: as vLLM's align mode leaves them
+    after multi-block steps, every Mamba slot but each chunk's last one null."""
+    ids = [[1 + g * BLOCKS + i for i in range(BLOCKS)] for g in range(4)]
+    if nulled:
+        per_chunk = chunk // N
+        for g in range(3):
+            ids[g] = [b if (i + 1) % per_chunk == 0 else 0 for i, b in enumerate(ids[g])]
+    return ids
+
+
+def restore_ids(blocks: int) -> list[list[int]]:
+    """vLLM's allocation for an external hit in align mode: FA blocks from the pool,
+    Mamba slots null-padded but the last."""
+    fa = [NUM_BLOCKS - 1 - i for i in range(blocks)]
+    return [[0] * (blocks - 1) + [2 + g] for g in range(3)] + [fa]
+
+
+def store(
+    real_servers: ServerFactory, l2: Path, setup: Setup, ids: list[list[int]] | None = None
+) -> HybridKV:
+    kv = build_hybrid_kv(N, setup.page, setup.layout, NUM_BLOCKS, seed=0, gdn=setup.gdn)
+    server = real_servers(kv, setup.chunk, l2, setup.separate)
+    assert server.store("store", tokens(), ids or store_ids())
+    server.wait_l2_files(BLOCKS * N // setup.chunk * server.num_object_groups)
+    server.close()
+    return kv
+
+
+def restored_blocks(
+    real_servers: ServerFactory,
+    tmp_path: Path,
+    a: Setup,
+    b: Setup,
+    stored: list[list[int]] | None = None,
+) -> int:
+    """Store under ``a`` (from block ids ``stored``), restart under ``b`` on the same
+    folder, and restore what the lookup hits: the blocks restored (0 for a miss). A hit
+    must bring back every stored byte, or the test fails here."""
+    l2 = tmp_path / "l2"
+    stored = stored or store_ids()
+    src = store(real_servers, l2, a, stored)
+    kv = build_hybrid_kv(N, b.page, b.layout, NUM_BLOCKS, seed=1, gdn=b.gdn)
+    server = real_servers(kv, b.chunk, l2, b.separate)
+    prompt = tokens()
+    hit = server.lookup("restore", prompt[:-1])
+    if hit == 0:
+        return 0
+    blocks = hit * b.chunk // N
+    ids = restore_ids(blocks)
+    assert server.retrieve("restore", prompt, 0, hit * b.chunk, ids)
+    for layer in range(NUM_LAYERS):
+        if layer in FA_LAYERS:
+            pairs = [(ids[FA_GROUP][i], stored[FA_GROUP][i]) for i in range(blocks)]
+        else:
+            g = layer % 4
+            pairs = [(ids[g][-1], stored[g][blocks - 1])]
+        for dst, s in pairs:
+            assert torch.equal(kv.block_bytes(layer, dst), src.block_bytes(layer, s)), (
+                f"layer {layer}: block {dst} restored other bytes than stored block {s}"
+            )
+    return blocks
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        BASE,
+        BASE.but(layout="HND"),
+        BASE.but(page=N),
+        BASE.but(chunk=2 * N),
+        BASE.but(chunk=3 * N),
+        BASE.but(separate=True),
+        BASE.but(gdn=GDNState(spec_tokens=2)),
+    ],
+    ids=["NHD", "HND", "FlashAttention", "chunk=2N", "chunk=3N", "separate", "MTP-2"],
+)
+def test_same_setting_restores_every_byte(real_servers, tmp_path, setup):
+    assert restored_blocks(real_servers, tmp_path, setup, setup) == BLOCKS
+
+
+# Rows that pristine 0.5.3 restores as a hit: the objects have the same key and size.
+SAME_SIZE_ROWS = {
+    "MTP-0-to-1": (BASE, BASE.but(gdn=GDNState(spec_tokens=1))),
+    "MTP-1-to-0": (BASE.but(gdn=GDNState(spec_tokens=1)), BASE),
+    "MTP-1-to-2": (BASE.but(gdn=GDNState(spec_tokens=1)), BASE.but(gdn=GDNState(spec_tokens=2))),
+    "conv-DS-to-SD": (BASE, BASE.but(gdn=GDNState(dim_first=False))),
+    "ssm-fp32-to-bf16": (BASE, BASE.but(gdn=GDNState(ssm_dtype=torch.bfloat16))),
+    "NHD-to-HND": (BASE, BASE.but(layout="HND")),
+    "FlashAttention-MTP-0-to-1": (
+        BASE.but(page=N),
+        BASE.but(page=N, gdn=GDNState(spec_tokens=1)),
+    ),
+    "FlashAttention-NHD-to-HND": (BASE.but(page=N), BASE.but(page=N, layout="HND")),
+}
+
+
+@pytest.mark.fix
+@pytest.mark.parametrize("a, b", list(SAME_SIZE_ROWS.values()), ids=list(SAME_SIZE_ROWS))
+def test_layout_change_of_the_same_object_size_is_a_miss(real_servers, tmp_path, a, b):
+    assert restored_blocks(real_servers, tmp_path, a, b) == 0, (
+        "objects stored under one layout were restored into another"
+    )
+
+
+OTHER_ROWS = {
+    "FlashInfer-to-FlashAttention": (BASE, BASE.but(page=N)),
+    "FlashAttention-to-FlashInfer": (BASE.but(page=N), BASE),
+    "chunk-N-to-2N": (BASE, BASE.but(chunk=2 * N)),
+    "chunk-2N-to-3N": (BASE.but(chunk=2 * N), BASE.but(chunk=3 * N)),
+    "split-on-MTP-0-to-1": (
+        BASE.but(separate=True),
+        BASE.but(separate=True, gdn=GDNState(spec_tokens=1)),
+    ),
+}
+
+
+@pytest.mark.parametrize("a, b", list(OTHER_ROWS.values()), ids=list(OTHER_ROWS))
+def test_other_layout_change_is_a_miss(real_servers, tmp_path, a, b):
+    assert restored_blocks(real_servers, tmp_path, a, b) == 0
+
+
+@pytest.mark.fix
+@pytest.mark.parametrize("chunk", [2 * N, 3 * N], ids=["chunk=2N", "chunk=3N"])
+def test_a_chunk_whose_earlier_mamba_slots_are_null_restores_its_last_state(
+    real_servers, tmp_path, chunk
+):
+    setup = BASE.but(chunk=chunk)
+    stored = store_ids(chunk, nulled=True)
+    assert restored_blocks(real_servers, tmp_path, setup, setup, stored) == BLOCKS
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [(BASE, BASE.but(separate=True)), (BASE.but(separate=True), BASE)],
+    ids=["split-off-to-on", "split-on-to-off"],
+)
+def test_the_split_option_keeps_a_hybrid_model_s_layout(real_servers, tmp_path, a, b):
+    """Recurrent state has a window of one block by default, so for a model without
+    sliding-window layers --separate-object-groups changes no stored byte."""
+    assert restored_blocks(real_servers, tmp_path, a, b) == BLOCKS
+
+
+def test_other_layout_format_is_a_miss(real_servers, tmp_path, monkeypatch):
+    from lmcache.integration.vllm import kv_cache_groups
+    from lmcache.v1.distributed import layout_namespace
+
+    with monkeypatch.context() as old:
+        old.setattr(kv_cache_groups, "LAYOUT_FORMAT", layout_namespace.LAYOUT_FORMAT + 1)
+        old.setattr(layout_namespace, "LAYOUT_FORMAT", layout_namespace.LAYOUT_FORMAT + 1)
+        store(real_servers, tmp_path / "l2", BASE)
+    kv = build_hybrid_kv(N, PAGE, "NHD", NUM_BLOCKS, seed=1)
+    server = real_servers(kv, N, tmp_path / "l2", False)
+    assert server.lookup("restore", tokens()[:-1]) == 0
+
+
+@pytest.mark.feature
+def test_a_rebuild_that_changes_no_stored_byte_keeps_the_hits(
+    real_servers, tmp_path, monkeypatch
+):
+    from lmcache import _hybridfa
+
+    l2 = tmp_path / "l2"
+    src = store(real_servers, l2, BASE)
+    monkeypatch.setattr(_hybridfa, "REVISION", str(int(_hybridfa.REVISION) + 1))
+    monkeypatch.setattr(_hybridfa, "SERIES_SHA256", "0" * 64)
+    kv = build_hybrid_kv(N, PAGE, "NHD", NUM_BLOCKS, seed=1)
+    server = real_servers(kv, N, l2, False)
+    assert server.lookup("restore", tokens()[:-1]) == BLOCKS, (
+        "an upgrade that changes no stored byte emptied the disk tier"
+    )
+    del src
+
+
+@pytest.mark.fix
+def test_a_flash_attention_hybrid_is_keyed_in_a_layout_namespace(real_servers, tmp_path):
+    kv = build_hybrid_kv(N, N, "NHD", NUM_BLOCKS)
+    server = real_servers(kv, N, tmp_path / "l2", False)
+    (key, *_) = server.object_keys(tokens(), 1)[0]
+    assert "~hfa-" in key.model_name, (
+        "a hybrid model on FlashAttention keeps pristine keys, so objects that pristine "
+        "stored with stale block ids keep hitting after the upgrade"
+    )
+
+
+def test_world_size_enters_the_fingerprint():
+    from lmcache.v1.distributed.layout_namespace import layout_fingerprint
+    from lmcache.v1.multiprocess.group_view import EngineGroupInfo
+
+    infos = [EngineGroupInfo(engine_group_id=0, layer_indices=(0,), recurrent_state=True)]
+    one, two = (layout_fingerprint([], {}, (), infos, world_size=w) for w in (1, 2))
+    assert one is not None and one != two
