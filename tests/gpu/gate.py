@@ -407,6 +407,8 @@ class Case:
     chunk_blocks: int  # LMCache chunk = chunk_blocks * N
     exact: bool  # prompt length an exact multiple of the chunk
     tp: int = 1
+    backend: str = "FLASHINFER"  # or FLASH_ATTN: no subpaging, the page is the block
+    batched: str = "2N-1"  # max_num_batched_tokens: 2N-1 or N
 
     @property
     def spec(self) -> ModelSpec:
@@ -414,7 +416,15 @@ class Case:
 
     @property
     def geometry(self) -> Geometry:
-        return expected_geometry(self.spec, self.tp)
+        g = expected_geometry(self.spec, self.tp)
+        if self.backend == "FLASH_ATTN":
+            return Geometry(g.block_size, g.block_size, 1)
+        return g
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        n = self.geometry.block_size
+        return n if self.batched == "N" else 2 * n - 1
 
     @property
     def chunk(self) -> int:
@@ -428,7 +438,9 @@ class Case:
     def case_id(self) -> str:
         kind = "exact" if self.exact else "offset"
         tp = f"-tp{self.tp}" if self.tp != 1 else ""
-        return f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}{tp}"
+        fa = "-fa" if self.backend == "FLASH_ATTN" else ""
+        mbt = "-mbtN" if self.batched == "N" else ""
+        return f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}{fa}{mbt}{tp}"
 
 
 def full_matrix(tp: int = 1) -> list[Case]:
@@ -476,6 +488,24 @@ def quick_matrix(tp: int = 1) -> list[Case]:
     ]
 
 
+def deployment_matrix(tp: int = 1) -> list[Case]:
+    """Where Qwen3.5/3.6 deployments go beyond the core matrix: chunk 3N and 4N,
+    max_num_batched_tokens = N, and the FlashAttention backend (H100/H200's default)
+    for both families and both layouts."""
+    return [
+        Case("olmo-r5", "NHD", 3, False, tp),
+        Case("qwen35-r5", "HND", 4, True, tp),
+        Case("olmo-r17", "HND", 4, False, tp),
+        Case("qwen35-r17", "NHD", 3, False, tp),
+        Case("olmo-r5", "NHD", 1, False, tp, batched="N"),
+        Case("qwen35-r17", "HND", 2, False, tp, batched="N"),
+        Case("olmo-r5", "NHD", 1, False, tp, backend="FLASH_ATTN"),
+        Case("olmo-r17", "HND", 2, True, tp, backend="FLASH_ATTN"),
+        Case("qwen35-r5", "HND", 2, False, tp, backend="FLASH_ATTN"),
+        Case("qwen35-r17", "NHD", 1, True, tp, backend="FLASH_ATTN"),
+    ]
+
+
 def completed_cases(arm: str, folder: Path) -> set[str]:
     """Case ids that completed (all three engines ran) in ``folder``'s reports of ``arm``."""
     done: set[str] = set()
@@ -487,10 +517,16 @@ def completed_cases(arm: str, folder: Path) -> set[str]:
 
 def select_cases(selector: str, tp: int = 1) -> list[Case]:
     """quick | core | all | full | comma-separated case ids or regexes over case ids."""
-    named = {"quick": quick_matrix, "core": core_matrix, "all": all_matrix, "full": full_matrix}
+    named = {
+        "quick": quick_matrix,
+        "core": core_matrix,
+        "all": all_matrix,
+        "full": full_matrix,
+        "deploy": deployment_matrix,
+    }
     if selector in named:
         return named[selector](tp)
-    pool = full_matrix(tp)
+    pool = full_matrix(tp) + deployment_matrix(tp)
     out: list[Case] = []
     for part in (p.strip() for p in selector.split(",") if p.strip()):
         hits = [c for c in pool if c.case_id == part] or [
@@ -892,6 +928,41 @@ def chunk_bytes_table(
         cells += [f"{pristine:,.0f}" if pristine else "-", ratio]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def run_errors(rec: dict[str, Any]) -> list[str]:
+    """Errors of a case's run outside its engines: failed stores, an L2 folder that never
+    settled after the store, a server that did not start."""
+    errors = []
+    failed = (rec.get("server1") or {}).get("store_failures")
+    if failed:
+        errors.append(f"server: {failed} stores failed ({STORE_FAILED!r} in server1.log)")
+    l2 = rec.get("l2_after_store")
+    if l2 is not None and not l2.get("stable"):
+        errors.append(f"the L2 folder did not settle after the store ({l2.get('objects')} objects)")
+    if rec.get("server_error"):
+        errors.append(rec["server_error"][-1500:])
+    return errors
+
+
+def add_errors(ev: dict[str, Any], errors: Sequence[str]) -> dict[str, Any]:
+    """Add run errors to a case's evaluation: a case with any error does not pass."""
+    ev["errors"] = [*ev.get("errors", []), *errors]
+    ev["pass"] = bool(ev.get("pass")) and not ev["errors"]
+    return ev
+
+
+def pristine_shows_the_bug(ev: dict[str, Any]) -> tuple[bool, str]:
+    """Whether a pristine case fails (a) by comparison, and why not otherwise: a case
+    that restored nothing (pristine's HND stores crash) never exercised (a)."""
+    if ev.get("bytes_match") is False:
+        return True, "restored KV bytes differ"
+    if ev.get("bytes_match") is None:
+        return False, (
+            "pristine restored nothing (no external hit), so (a) was never exercised; "
+            "under HND pristine's stores crash: run the pristine + 0005 arm"
+        )
+    return False, "pristine restored identical KV bytes: the gate cannot see the bug"
 
 
 def verdict(ev: dict[str, Any]) -> str:
@@ -1313,7 +1384,8 @@ def engine_spec(
         "language_model_only": case.spec.family == "qwen3_5",
         "tensor_parallel_size": case.tp,
         "gpu_memory_utilization": rc.gpu_memory_utilization,
-        "max_num_batched_tokens": 2 * g.block_size - 1,
+        "max_num_batched_tokens": case.max_num_batched_tokens,
+        "attention_backend": case.backend,
         "max_model_len": p + 4 * g.block_size,
         "prompt": make_prompt(p, seed=1),
         "warmup": make_prompt(2 * g.block_size + 3, seed=2),
@@ -1401,6 +1473,11 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         "chunk": case.chunk,
         "prompt_tokens": case.prompt_tokens,
         "tp": case.tp,
+        "chunk_blocks": case.chunk_blocks,
+        "attention_backend": case.backend,
+        "max_num_batched_tokens": case.max_num_batched_tokens,
+        "spec_tokens": 0,
+        "turn": 1,
         "expected_chunk_bytes": expected_chunk_bytes(case.spec, case.chunk, case.tp),
     }
     key = (case.model, case.prompt_tokens, case.layout, case.tp)
@@ -1451,14 +1528,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     finally:
         for s in servers:
             kill_group(s)
-    ev = evaluate_case(case, cold, store, restore)
-    failed = (rec.get("server1") or {}).get("store_failures")
-    if failed:
-        ev["errors"].append(f"server: {failed} stores failed ({STORE_FAILED!r} in server1.log)")
-    if rec.get("server_error"):
-        ev["errors"].append(rec["server_error"][-1500:])
-        ev["pass"] = False
-    rec["eval"] = ev
+    rec["eval"] = add_errors(evaluate_case(case, cold, store, restore), run_errors(rec))
     rec["engines"] = {
         role: _slim(r) for role, r in (("cold", cold), ("store", store), ("restore", restore))
     }
@@ -1712,7 +1782,8 @@ def rebuild_report(arm: str, work: Path, header_from: Path, out: Path) -> dict[s
         "stopped_early": True,
     }
     for wd in folders:
-        hits = [c for tp in (1, 2) for c in full_matrix(tp) if c.case_id == wd.name]
+        pool = [c for tp in (1, 2) for c in full_matrix(tp) + deployment_matrix(tp)]
+        hits = [c for c in pool if c.case_id == wd.name]
         store, restore = _read_json(wd / "store.json"), _read_json(wd / "restore.json")
         if not hits or store is None or restore is None:
             report["not_run"].append(wd.name)
@@ -1721,9 +1792,7 @@ def rebuild_report(arm: str, work: Path, header_from: Path, out: Path) -> dict[s
         key = (case.model, case.prompt_tokens, case.layout, case.tp)
         cold = _read_json(wd / "cold.json") or cold_runs.get(key) or {"ok": False}
         server1 = server_log_facts((wd / "server1.log").read_text(errors="replace"))
-        ev = evaluate_case(case, cold, store, restore)
-        if server1.get("store_failures"):
-            ev["errors"].append(f"server: {server1['store_failures']} stores failed")
+        ev = add_errors(evaluate_case(case, cold, store, restore), run_errors({"server1": server1}))
         report["cases"].append(
             {
                 "case": case.case_id,

@@ -748,7 +748,7 @@ def test_skip_done_leaves_out_cases_completed_in_earlier_reports(tmp_path: Path,
     )
     (tmp_path / "gpu-gate-T4-patched.json").write_text("{cut by a kill")
     assert gate.completed_cases("patched", tmp_path / "c3") == {"olmo-r5-NHD-c1N-exact"}
-    args = ["--arm", "patched", "--lmcache-dir", str(tmp_path), "--cases", "olmo-r5-NHD-.*"]
+    args = ["--arm", "patched", "--lmcache-dir", str(tmp_path), "--cases", "olmo-r5-NHD-c[12]N-(offset|exact)"]
     assert gate.main([*args, "--skip-done", str(tmp_path), "--list"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed == ["olmo-r5-NHD-c2N-offset", "olmo-r5-NHD-c2N-exact"]
@@ -880,3 +880,51 @@ def test_matrix_counts_a_chunk_of_separate_object_groups_as_fa_plus_one_gdn_bloc
     md = gate.matrix_report([{**rep, "cases": [rec]}])
     row = next(x for x in md.splitlines() if x.startswith("| olmo-r5 | 80/16/5 | 160 |"))
     assert "| 819,200 | 819,280 |" in row  # expected FA + one GDN block; measured + 2 trailers
+
+
+def _passing_evaluation() -> dict:
+    case = gate.Case("olmo-r5", "NHD", 1, False)
+    p = case.prompt_tokens
+    kv = [_hashes({"0": "a"}, {str(p // 80 - 1): "x"})]
+    cold, store = _engine([5], [], 2.0), _engine([5], [], 2.1, kv=kv)
+    ev = gate.evaluate_case(case, cold, store, _engine([5], [], 0.5, cached=p // 80 * 80, kv=kv))
+    assert ev["pass"], ev
+    return ev
+
+
+def test_a_case_with_failed_stores_does_not_pass() -> None:
+    rec = {"server1": {"store_failures": 3}}
+    assert not gate.add_errors(_passing_evaluation(), gate.run_errors(rec))["pass"]
+
+
+def test_an_l2_folder_that_never_settled_is_an_error() -> None:
+    rec = {"l2_after_store": {"objects": 2, "bytes": 10, "stable": False}}
+    ev = gate.add_errors(_passing_evaluation(), gate.run_errors(rec))
+    assert not ev["pass"] and "did not settle" in ev["errors"][-1]
+
+
+def test_a_pristine_case_that_stored_nothing_does_not_show_the_bug() -> None:
+    shown, why = gate.pristine_shows_the_bug({"bytes_match": None})
+    assert not shown and "restored nothing" in why
+    assert gate.pristine_shows_the_bug({"bytes_match": False})[0]
+    assert not gate.pristine_shows_the_bug({"bytes_match": True})[0]
+
+
+def test_the_gate_entry_point_fails_a_run_with_cases_not_run(monkeypatch) -> None:
+    monkeypatch.setenv("HYBRIDFA_ARM", "patched")
+    entry = _load("test_restart_gate_entry", GPU_DIR / "test_restart_gate.py")
+    ev = _passing_evaluation()
+    report = {"cases": [{"case": "olmo-r5-NHD-c1N-offset", "eval": ev}], "not_run": []}
+    monkeypatch.setattr(entry.gate, "markdown_report", lambda r: "")
+    entry.test_restart_gate(report)
+    with pytest.raises(AssertionError, match="cases not run"):
+        entry.test_restart_gate({**report, "not_run": ["olmo-r25-NHD-c1N-exact"]})
+
+
+def test_deployment_cases_name_their_backend_and_batch() -> None:
+    cases = {c.case_id: c for c in gate.select_cases("deploy")}
+    fa = cases["olmo-r5-NHD-c1N-offset-fa"]
+    assert (fa.geometry.kernel_page, fa.geometry.ratio) == (80, 1)
+    assert cases["olmo-r5-NHD-c1N-offset-mbtN"].max_num_batched_tokens == 80
+    assert gate.select_cases("olmo-r5-NHD-c3N-offset")[0].chunk == 240
+    assert gate.Case("olmo-r5", "NHD", 1, False).max_num_batched_tokens == 159

@@ -116,7 +116,7 @@ def assert_gdn_state_restored(
 # bytes read by a restore
 
 
-@pytest.mark.fix
+@pytest.mark.feature
 @pytest.mark.parametrize("chunk", [N, 2 * N], ids=["chunk=N", "chunk=2N"])
 def test_restore_loads_gdn_objects_of_the_last_hit_chunk_only(real_servers, tmp_path, chunk):
     _, kv, server = restarted(real_servers, tmp_path, chunk=chunk)
@@ -141,7 +141,7 @@ def test_restore_loads_gdn_objects_of_the_last_hit_chunk_only(real_servers, tmp_
     )
 
 
-@pytest.mark.fix
+@pytest.mark.feature
 def test_restore_reads_fa_for_every_chunk_and_one_gdn_state(real_servers, tmp_path):
     _, kv, server = restarted(real_servers, tmp_path)
     tokens = prompt(NUM_CHUNKS * N + 1)

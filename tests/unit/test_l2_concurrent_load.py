@@ -61,7 +61,7 @@ def _keys() -> list[Any]:
     ]
 
 
-@pytest.mark.fix
+@pytest.mark.feature
 def test_one_load_task_reads_several_objects_at_once(adapter, monkeypatch):
     keys = _keys()
     store(adapter, keys, PAYLOADS)

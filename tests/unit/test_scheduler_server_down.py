@@ -173,7 +173,7 @@ def test_lookups_resume_when_the_server_comes_back(ctx) -> None:
         server.die()
 
 
-@pytest.mark.fix
+@pytest.mark.feature
 def test_a_slow_prefetch_status_reply_does_not_hold_the_scheduler_step(ctx) -> None:
     url = free_url()
     # the prefetch is still running at the first reply; each reply takes 0.3 s
