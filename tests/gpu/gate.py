@@ -985,6 +985,13 @@ def restored_blocks(ev: dict[str, Any]) -> str:
     return f"FA {fa - kv.get('fa_bad', 0)}/{fa}, GDN {gdn - kv.get('gdn_bad', 0)}/{gdn}"
 
 
+def hybridfa_revision(report: dict[str, Any]) -> int:
+    """The hybrid-FA revision a report ran (0: pristine or unknown)."""
+    version = str((report.get("versions") or {}).get("hybridfa_version") or "")
+    tail = version.rpartition("+hybridfa.")[2]
+    return int(tail) if tail.isdigit() else 0
+
+
 def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
     """The full matrix, one row per case, from gate reports of both arms (given oldest
     first): each arm's first completed run, and the verdicts of any later runs."""
@@ -995,6 +1002,10 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
             "make one matrix per server configuration"
         )
     server_args = next(iter(patched_args), ())
+    # From revision 10 every hybrid chunk is an FA object plus a one-block GDN object.
+    split = "--separate-object-groups" in server_args or any(
+        hybridfa_revision(r) >= 10 for r in reports if r["arm"] == "patched"
+    )
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rep in reports:
         for rec in rep.get("cases", []):
@@ -1034,7 +1045,12 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
     )
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     tally = {arm: {"ran": 0, "pass": 0, "a": 0} for arm in ("patched", "pristine")}
-    for case in full_matrix(tp):
+    ran_deployment = [
+        c
+        for c in deployment_matrix(tp)
+        if any((arm, c.case_id) in runs for arm in ("patched", "pristine"))
+    ]
+    for case in full_matrix(tp) + ran_deployment:
         cid, g = case.case_id, case.geometry
         row = [cid, f"{g.block_size}/{g.kernel_page}/{g.ratio}", case.layout]
         row += [str(case.chunk), str(case.prompt_tokens)]
@@ -1059,7 +1075,7 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
             else:
                 row += [seen, verdict(ev) + later(arm, cid)]
         lines.append("| " + " | ".join(row) + " |")
-    n = len(full_matrix(tp))
+    n = len(full_matrix(tp)) + len(ran_deployment)
     p, q = tally["patched"], tally["pristine"]
     lines += [
         "",
@@ -1072,13 +1088,13 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
         "Patched objects carry patch 0004's 40-byte trailer; pristine moves 1 FA kernel page "
         "of r per block (HND pristine cases store nothing)."
         + (
-            " With --separate-object-groups a chunk is two objects, each with a trailer: "
+            " A patched chunk is two objects, each with a trailer: "
             "FA for the whole chunk, GDN for its last block."
-            if "--separate-object-groups" in server_args
+            if split
             else ""
         ),
         "",
-        *chunk_bytes_table(runs, separate="--separate-object-groups" in server_args),
+        *chunk_bytes_table(runs, separate=split),
     ]
     return "\n".join(lines) + "\n"
 
