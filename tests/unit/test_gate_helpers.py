@@ -748,7 +748,8 @@ def test_skip_done_leaves_out_cases_completed_in_earlier_reports(tmp_path: Path,
     )
     (tmp_path / "gpu-gate-T4-patched.json").write_text("{cut by a kill")
     assert gate.completed_cases("patched", tmp_path / "c3") == {"olmo-r5-NHD-c1N-exact"}
-    args = ["--arm", "patched", "--lmcache-dir", str(tmp_path), "--cases", "olmo-r5-NHD-c[12]N-(offset|exact)"]
+    cases = "olmo-r5-NHD-c[12]N-(offset|exact)"
+    args = ["--arm", "patched", "--lmcache-dir", str(tmp_path), "--cases", cases]
     assert gate.main([*args, "--skip-done", str(tmp_path), "--list"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed == ["olmo-r5-NHD-c2N-offset", "olmo-r5-NHD-c2N-exact"]
