@@ -28,3 +28,21 @@ def test_failing_on_pristine_too_is_not_a_regression() -> None:
 def test_passing_on_patched_right_after_pristine_is_flaky() -> None:
     got = runner.classify(["t::c"], {"t::c": ["passed"]}, {"t::c": ["failed", "passed"]})
     assert got == ([], [], ["t::c"])
+
+
+def _entry(pattern: str) -> object:
+    import re
+
+    regex = re.compile(".*".join(re.escape(p) for p in pattern.split("*")) + r"\Z")
+    return runner.Known(pattern, "0014: by design", regex)
+
+
+def test_a_test_the_series_changes_is_reported_apart_from_regressions() -> None:
+    key = "tests/v1/test_mm.py::test_key"
+    got = runner.split_changed([key, "tests/v1/x.py::t"], [_entry(key)], ["tests"])
+    assert got == (["tests/v1/x.py::t"], [key], [])
+
+
+def test_a_changed_entry_whose_test_no_longer_fails_is_stale() -> None:
+    key = "tests/v1/test_mm.py::test_key"
+    assert runner.split_changed([], [_entry(key)], ["tests"]) == ([], [], [key])

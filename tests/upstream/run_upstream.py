@@ -6,7 +6,11 @@ pytest runs there with PYTHONPATH=<--lmcache DIR>. Failures are rerun on the sam
 separate flakes; what still fails is run against --pristine. A REGRESSION is a test that failed
 every time on the build under test and passed at least once on pristine.
 
-Exit status: 0 no regression; 1 regression; 2 stale entry in known_failures.txt;
+A test listed in changed_by_series.txt pins behaviour a patch deliberately changes: it must fail
+on the build and pass on pristine, and is reported as changed, not as a regression.
+
+Exit status: 0 no regression; 1 regression; 2 stale entry in known_failures.txt or
+changed_by_series.txt;
 3 the run itself could not be trusted (wrong lmcache imported, no JUnit report, ...).
 Unlisted failures that also fail on pristine, and flakes, are only warned about.
 Stdlib only: it runs on the CPU CI box and on GPU nodes with a different Python.
@@ -32,6 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 KNOWN_FAILURES = HERE / "known_failures.txt"
+CHANGED_BY_SERIES = HERE / "changed_by_series.txt"
 FOLDERS = (
     "tests/",
     "tests/benchmarks",
@@ -547,8 +552,23 @@ def classify(
     return regressions, pristine_fail, flaky
 
 
+def split_changed(
+    regressions: list[str], changed: list[Known], scope: list[str]
+) -> tuple[list[str], list[str], list[str]]:
+    """Split regressions into (regressions, changed by the series); and the changed-list
+    entries that are stale: their test passes on patched, or no collected test matches."""
+    expected = [n for n in regressions if match_known(n, changed) is not None]
+    stale = [
+        k.pattern for k in changed
+        if in_scope(k.pattern, scope)
+        and not any(k.regex.match(n) for n in expected)
+    ]  # fmt: skip
+    return [n for n in regressions if n not in expected], expected, stale
+
+
 def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, object]) -> int:
     known = load_known(args.known_failures)
+    changed = load_known(args.changed_by_series)
     first = run_pytest(args.python, args.lmcache, args.work, "patched", targets, args.wall_timeout)
     check_run(first, args.lmcache)
     failing = sorted(n for n, o in first.outcomes.items() if o in BAD)
@@ -570,6 +590,8 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
         if in_scope(k.pattern, scope) and not any(k.regex.match(n) for n in first.outcomes)
     ]  # fmt: skip
 
+    regressions, changed_tests, stale_changed = split_changed(regressions, changed, scope)
+    stale += stale_changed
     final = {n: final_outcome(o, patched_hist.get(n, [])) for n, o in first.outcomes.items()}
     pristine_final = {
         n: ("passed" if "passed" in h else first.outcomes[n]) for n, h in pristine_hist.items()
@@ -595,6 +617,7 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
         seconds={r.label: round(r.seconds, 1) for r in [first, *patched_runs, *pristine_runs]},
         counts=columns,
         regressions=[explain(n) for n in regressions],
+        changed_by_series=[explain(n) for n in changed_tests],
         fails_on_pristine_too=[explain(n) for n in pristine_fail],
         unlisted_pristine_failures=unlisted,
         flaky_on_patched=[explain(n) for n in flaky],
@@ -613,8 +636,11 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
             f"WARNING: {n} fails on patched AND pristine but is not in {args.known_failures.name}:"
             " add it with a reason"
         )
+    for n in changed_tests:
+        reason = match_known(n, changed).reason  # type: ignore[union-attr]
+        log(f"changed by the series (fails on patched by design): {n}  [{reason}]")
     for p in stale:
-        log(f"ERROR: known-failures entry matches no collected test: {p}")
+        log(f"ERROR: stale entry (no collected test, or the test no longer fails): {p}")
     for n in regressions:
         log(f"REGRESSION: {n} fails on the build under test every time, passes on pristine")
     if regressions:
@@ -673,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", action="store_true", help="run the CUDA-only files on both builds")
     ap.add_argument("--select", nargs="+", metavar="PATH", help="test paths/ids to run instead")
     ap.add_argument("--known-failures", type=Path, default=KNOWN_FAILURES)
+    ap.add_argument("--changed-by-series", type=Path, default=CHANGED_BY_SERIES)
     ap.add_argument("--wall-timeout", type=int, default=3600, help="seconds per pytest run")
     args = ap.parse_args(argv)
     args.python = shutil.which(args.python) or args.python
