@@ -120,7 +120,7 @@ class RealServer:
         self.ctx.close()
 
 
-def _storage_config(l2_dir: Path) -> Any:
+def _storage_config(l2_dir: Path, l2_adapter: str = "fs") -> Any:
     from lmcache.v1.distributed.config import (
         EvictionConfig,
         L1ManagerConfig,
@@ -128,7 +128,6 @@ def _storage_config(l2_dir: Path) -> Any:
         StorageManagerConfig,
     )
     from lmcache.v1.distributed.l2_adapters.config import L2AdaptersConfig
-    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2AdapterConfig
 
     memory = L1MemoryManagerConfig(
         size_in_bytes=64 << 20, use_lazy=False, init_size_in_bytes=64 << 20, shm_name=""
@@ -136,8 +135,21 @@ def _storage_config(l2_dir: Path) -> Any:
     return StorageManagerConfig(
         l1_manager_config=L1ManagerConfig(memory_config=memory),
         eviction_config=EvictionConfig(eviction_policy="LRU"),
-        l2_adapter_config=L2AdaptersConfig([FSL2AdapterConfig(base_path=str(l2_dir))]),
+        l2_adapter_config=L2AdaptersConfig([_l2_adapter_config(l2_dir, l2_adapter)]),
     )
+
+
+def _l2_adapter_config(l2_dir: Path, l2_adapter: str) -> Any:
+    """LMCache's config of the ``fs`` (Python) or ``fs_native`` (C++) adapter on l2_dir."""
+    if l2_adapter == "fs_native":
+        from lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter import (
+            FSNativeL2AdapterConfig,
+        )
+
+        return FSNativeL2AdapterConfig(base_path=str(l2_dir))
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2AdapterConfig
+
+    return FSL2AdapterConfig(base_path=str(l2_dir))
 
 
 class ServerFactory:
@@ -154,9 +166,10 @@ class ServerFactory:
         l2_dir: Path,
         separate: bool,
         pristine_client: bool = False,
+        l2_adapter: str = "fs",
     ) -> RealServer:
         server = start_real_server(
-            kv, chunk_size, l2_dir, separate, self._monkeypatch, pristine_client
+            kv, chunk_size, l2_dir, separate, self._monkeypatch, pristine_client, l2_adapter
         )
         self._started.append(server)
         return server
@@ -173,6 +186,7 @@ def start_real_server(
     separate_object_groups: bool,
     monkeypatch: pytest.MonkeyPatch,
     pristine_client: bool = False,
+    l2_adapter: str = "fs",
 ) -> RealServer:
     """Start a server on ``l2_dir`` and register ``kv`` as LMCacheMPConnector does;
     with ``pristine_client``, with the group infos a pristine 0.5.3 client sends."""
@@ -204,7 +218,7 @@ def start_real_server(
 
     l2_dir.mkdir(parents=True, exist_ok=True)
     ctx = MPCacheServerContext(
-        _storage_config(l2_dir),
+        _storage_config(l2_dir, l2_adapter),
         chunk_size=chunk_size,
         separate_object_groups=separate_object_groups,
     )
