@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hybrid_kv import HybridKV, _NoopDispatcher, _NoopEventBackend, _Wrapper
 
 MODEL = "hybrid"
@@ -246,3 +247,39 @@ def start_real_server(
     wrappers = [_Wrapper(t) for t in edited.values()]
     module.register_kv_cache(1, wrappers, MODEL, 1, EngineType.VLLM, hints, wire)
     return RealServer(ctx, LookupModule(ctx), module, wire, l2_dir, reads)
+
+
+def fa_bytes_after_restart(
+    real_servers: ServerFactory, l2_dir: Path, settle_s: float = 0.0, **server_args: Any
+) -> list[int]:
+    """Store a 3-chunk prompt of the N = 80 over 16-slot hybrid geometry, stop the server
+    (after ``settle_s``, for adapters that write in their own threads), start a new one
+    and engine KV on ``l2_dir``, and restore what the lookup hits. Returns the FA layers
+    whose restored blocks differ from the stored ones: empty for a byte-exact restore or
+    a miss."""
+    from hybrid_kv import FA_LAYERS, build_hybrid_kv
+
+    n, chunks, num_blocks, fa_group = 80, 3, 32, 3
+    stored = [[1 + g * chunks + i for i in range(chunks)] for g in range(4)]
+    tokens = list(range(1000, 1000 + chunks * n + 1))
+    src = build_hybrid_kv(n, 16, "NHD", num_blocks, seed=0)
+    server = real_servers(src, n, l2_dir, False, **server_args)
+    server.store("store", tokens, stored)
+    time.sleep(settle_s)
+    server.close()
+
+    kv = build_hybrid_kv(n, 16, "NHD", num_blocks, seed=1)
+    server = real_servers(kv, n, l2_dir, False, **server_args)
+    hit = server.lookup("restore", tokens[:-1])
+    if hit == 0:
+        return []
+    ids = [[0] * (hit - 1) + [20 + g] for g in range(3)] + [[28 - i for i in range(hit)]]
+    server.retrieve("restore", tokens, 0, hit * n, ids)
+    return [
+        layer
+        for layer in FA_LAYERS
+        if not all(
+            torch.equal(kv.block_bytes(layer, dst), src.block_bytes(layer, s))
+            for dst, s in zip(ids[fa_group], stored[fa_group], strict=False)
+        )
+    ]

@@ -11,49 +11,25 @@ and its lookups miss; a dense model keeps pristine behaviour. A whole CPU server
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter")
 
-from hybrid_kv import FA_LAYERS, build_fa_only_kv, build_hybrid_kv  # noqa: E402
+from hybrid_kv import build_fa_only_kv, build_hybrid_kv  # noqa: E402
+from restore_server import fa_bytes_after_restart  # noqa: E402
 
 N, PAGE, CHUNKS, NUM_BLOCKS = 80, 16, 3, 32
-FA_GROUP = 3
 
 
 def store_ids() -> list[list[int]]:
     return [[1 + g * CHUNKS + i for i in range(CHUNKS)] for g in range(4)]
 
 
-def _settle(server, seconds: float = 1.0) -> None:
-    import time
-
-    time.sleep(seconds)  # fs_native writes in its own threads; give them time before the stop
-    server.close()
-
-
 @pytest.mark.fix
 def test_a_hybrid_model_over_fs_native_never_restores_wrong_bytes(real_servers, tmp_path):
-    l2 = tmp_path / "l2"
-    tokens = list(range(1000, 1000 + CHUNKS * N + 1))
-    src = build_hybrid_kv(N, PAGE, "NHD", NUM_BLOCKS, seed=0)
-    server = real_servers(src, N, l2, False, l2_adapter="fs_native")
-    server.store("store", tokens, store_ids())
-    _settle(server)
-
-    kv = build_hybrid_kv(N, PAGE, "NHD", NUM_BLOCKS, seed=1)
-    server = real_servers(kv, N, l2, False, l2_adapter="fs_native")
-    hit = server.lookup("restore", tokens[:-1])
-    if hit == 0:
-        return
-    ids = [[0] * (hit - 1) + [20 + g] for g in range(3)] + [[28 - i for i in range(hit)]]
-    server.retrieve("restore", tokens, 0, hit * N, ids)
-    for layer in FA_LAYERS:
-        for dst, s in zip(ids[FA_GROUP], store_ids()[FA_GROUP], strict=False):
-            assert torch.equal(kv.block_bytes(layer, dst), src.block_bytes(layer, s)), (
-                f"fs_native restored other bytes for FA layer {layer}"
-            )
+    # fs_native writes in its own threads: let them finish before the stop.
+    differ = fa_bytes_after_restart(real_servers, tmp_path / "l2", 1.0, l2_adapter="fs_native")
+    assert differ == [], f"fs_native restored other bytes for FA layers {differ}"
 
 
 @pytest.mark.feature
