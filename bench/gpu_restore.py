@@ -254,6 +254,18 @@ def parse_copy_stats(text: str) -> dict[str, Any] | None:
     return {"device": device, "store": side(*v[:4]), "retrieve": side(*v[4:])}
 
 
+def timed_copy_gbps(
+    stats: dict[str, Any] | None, side: str, tokens: int | None
+) -> float | None:
+    """The stream-timed copy rate of one side ("retrieve" or "store"), or None unless
+    the copies it timed cover at least ``tokens``: a cumulative line logged before the
+    measured transfer covers only the warm-up, and says nothing about the measurement."""
+    got = (stats or {}).get(side) or {}
+    if not tokens or (got.get("tokens") or 0) < tokens:
+        return None
+    return got.get("copy_gbps")
+
+
 def parse_server_log(text: str) -> dict[str, list[tuple[float, ...]]]:
     """stored/retrieved: (tokens, seconds); prefetch: (retained, asked, l1, l2, seconds)."""
     return {
@@ -571,7 +583,7 @@ def _rec(results: dict[str, Any], sid: str) -> dict[str, Any] | None:
 def _retrieve_gbps(r: dict[str, Any] | None) -> tuple[float | None, str]:
     if not r:
         return None, "-"
-    timed = ((r.get("copy_stats") or {}).get("retrieve") or {}).get("copy_gbps")
+    timed = timed_copy_gbps(r.get("copy_stats"), "retrieve", r.get("hit_tokens"))
     if timed:
         return timed, "LMCache's stream-timed H2D copy"
     b = restore_breakdown(r)
@@ -749,8 +761,8 @@ def markdown_report(results: dict[str, Any]) -> str:
             f"| {_f(b.get('prefetch_share_of_ttft'))} | {_f(b.get('after_prefetch_s'))} "
             f"| {_f(b.get('retrieve_gbps_lower_bound'))} "
             f"| {_f(gbps(b['hit_bytes'], r['restore_ttft_s']) if b else None)} "
-            f"| {_f(((r.get('copy_stats') or {}).get('retrieve') or {}).get('copy_gbps'))} "
-            f"| {_f(((r.get('store_copy_stats') or {}).get('store') or {}).get('copy_gbps'))} |"
+            f"| {_f(timed_copy_gbps(r.get('copy_stats'), 'retrieve', r.get('hit_tokens')))} "
+            f"| {_f(timed_copy_gbps(r.get('store_copy_stats'), 'store', r.get('hit_tokens')))} |"
         )
     lines += [
         "",

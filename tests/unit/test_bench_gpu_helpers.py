@@ -371,7 +371,7 @@ def test_copy_stats_parse_lmcaches_own_line() -> None:
 def test_retrieve_rate_prefers_the_stream_timed_copy() -> None:
     rec = _restore_rec(1.0, after_prefetch_s=2.0)
     assert bench._retrieve_gbps(rec)[0] == pytest.approx(50.0)
-    rec["copy_stats"] = {"retrieve": {"copy_gbps": 41.5}}
+    rec["copy_stats"] = {"retrieve": {"tokens": 50_000, "copy_gbps": 41.5}}
     assert bench._retrieve_gbps(rec) == (41.5, "LMCache's stream-timed H2D copy")
 
 
@@ -390,3 +390,12 @@ def test_a_restore_from_the_page_cache_is_labelled_in_table_and_targets(tmp_path
     rec["page_cache"] = {"dropped": True}
     assert "page cache" not in bench.evaluate_targets(res)[0]["detail"]
     assert "| dropped |" in bench.markdown_report(res)
+
+
+def test_a_copy_rate_is_reported_only_when_it_covers_the_restore() -> None:
+    warm_up_only = {"retrieve": {"ops": 1, "tokens": 1056, "gb": 0.1, "copy_gbps": 13.5}}
+    assert bench.timed_copy_gbps(warm_up_only, "retrieve", 26400) is None
+    both = {"retrieve": {"ops": 2, "tokens": 27456, "gb": 3.6, "copy_gbps": 33.5}}
+    assert bench.timed_copy_gbps(both, "retrieve", 26400) == 33.5
+    assert bench.timed_copy_gbps(None, "retrieve", 26400) is None
+    assert bench.timed_copy_gbps(both, "retrieve", None) is None
