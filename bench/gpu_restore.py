@@ -25,7 +25,7 @@ Steps (one record each in the results JSON, keyed by id ``kind:model:backend:arm
 Node (one call at most 10 min; rerun the same command until ``remaining: 0``)::
 
     python3 bench/gpu_restore.py --arm patched --lmcache-dir /tmp/lmc-patched \\
-        --results results/bench-gpu-DATE.json --out $OUT --max-seconds 500
+        --results results/bench-gpu-DATE.json --out out/ --max-seconds 500
 
 Here (CPU): ``--plan``, ``--report FILE`` and ``--plot-from FILE`` (needs matplotlib).
 """
@@ -1461,7 +1461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=REPO / "results" / f"bench-gpu-{_dt.date.today().isoformat()}.json",
         help="results JSON, read if present and updated after every step (a .md beside it)",
     )
-    ap.add_argument("--out", type=Path, help="also write the JSON and .md here (the node's $OUT)")
+    ap.add_argument("--out", type=Path, help="also write the JSON and .md here")
     ap.add_argument("--steps", default="default", help="default | comma-separated ids/regexes")
     ap.add_argument("--plain-cold", action="store_true", help="add cold runs without LMCache")
     ap.add_argument("--max-seconds", type=float, default=0.0, help="stop before overrunning")

@@ -335,7 +335,7 @@ def restore_timeline(
 
 def _profiled(spec: dict[str, Any], run_request: Any) -> tuple[Any, dict[str, Any] | None]:
     """run_request() under torch.profiler when the spec names a profile_dir: a gzipped
-    Chrome trace and the top ops by host and by device time go there."""
+    Chrome trace and the top ops by host and by GPU time go there."""
     out_dir = spec.get("profile_dir")
     if not out_dir:
         return run_request(), None

@@ -20,7 +20,7 @@ here), so its further request misses the bound.
 Usage on the GPU node::
 
     python3 tests/gpu/fault_kill_mid_store.py --arm patched --lmcache-dir /tmp/lmc-patched \\
-        --out $OUT
+        --out results/
 
 Only the standard library is imported; the gate's helpers run the processes.
 """

@@ -1061,7 +1061,7 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
                 continue
             ev = recs[0]["eval"]
             if ev.get("completed") and not ev.get("hit_tokens"):
-                # Reports of session 2 counted an empty restore as (a) passed; the gate
+                # Reports of 2026-11-29 counted an empty restore as (a) passed; the gate
                 # now fails (a) when nothing was restored (evaluate_case).
                 ev = {**ev, "a": False, "pass": False}
             tally[arm]["ran"] += 1
@@ -1131,7 +1131,7 @@ def child_env(lmcache_dir: Path | None, layout: str | None) -> dict[str, str]:
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     # Every Qwen3.5 engine re-ran Triton's autotuning of the GDN kernels (its cases took
-    # 340 s against 135-195 s for OlmoHybrid's, session 5): keep the results on disk.
+    # 340 s against 135-195 s for OlmoHybrid's, 2026-11-29): keep the results on disk.
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if layout is not None:
         env["VLLM_KV_CACHE_LAYOUT"] = layout
@@ -1430,7 +1430,7 @@ def engine_spec(
 # The second stored prompt, which the restore engine restores before the timed one.
 WARM_RESTORE_SEED = 6
 # (d) compares medians of D_REPEATS restores and as many cold prefills. One of each was
-# noise where the margin is small: in session 6, two r=25 cases with 0.12-0.28 s cold
+# noise where the margin is small: on 2026-11-29, two r=25 cases with 0.12-0.28 s cold
 # prefills missed by 0.03 s under 18 concurrent cases, and one passed when rerun alone.
 # (restore seed, cold seed) of the repeats after the first pair:
 D_REPEAT_SEEDS = ((7, 9), (8, 10))
@@ -1451,7 +1451,7 @@ def store_spec(
 
 def restore_spec(case: Case, model_dir: Path, rc: RunConfig, port: int) -> dict[str, Any]:
     """The restore engine's spec. A fresh engine's first request of a new length paid
-    0.7-2.5 s more on the H200 (session 5; Triton compiling and autotuning GDN kernels per
+    0.7-2.5 s more on the H200 (2026-11-29; Triton compiling and autotuning GDN kernels per
     shape, most likely), so before the timed restore it restores store_spec's second prompt
     and cold-prefills a third; the cold reference for (d) follows the timed restore, then
     the repeats: a restore of another stored prompt and a cold prefill, D_REPEATS - 1 times."""

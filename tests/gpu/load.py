@@ -25,7 +25,7 @@ blake3, patch 0004) does not verify at the end.
 
 Usage on the GPU node (fits one 10-minute call with --duration 420 on a warm node)::
 
-    python3 tests/gpu/load.py --arm patched --lmcache-dir /tmp/lmc-patched --out $OUT \\
+    python3 tests/gpu/load.py --arm patched --lmcache-dir /tmp/lmc-patched --out results/ \\
         --duration 420 --kv-cache-gib 8
 
 A 10-minute run takes two calls: ``--duration 600 --call-seconds 480`` ends the first

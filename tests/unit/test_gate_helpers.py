@@ -284,7 +284,7 @@ def test_evaluate_case_prefers_the_restore_engines_own_cold_prefill_for_d() -> N
 def test_the_restore_engine_warms_up_on_other_prompts_before_the_timed_restore(
     tmp_path: Path,
 ) -> None:
-    # Session 5: a fresh engine's first long request paid 0.7-2.5 s of one-time costs, so
+    # Measured 2026-11-29: a fresh engine's first long request paid 0.7-2.5 s of one-time costs, so
     # the timed restore (first) lost (d) to the cold reference (after it) in every case.
     case = gate.Case("olmo-r17", "NHD", 1, True)
     rc = gate.RunConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path)
@@ -786,7 +786,7 @@ def test_matrix_report_shows_first_runs_reruns_and_empty_restores_as_failed_a() 
 
 
 def test_d_compares_medians_of_the_repeated_restores_and_cold_prefills() -> None:
-    # Session 6: one restore against one cold prefill lost by 0.03 s under load, and
+    # Measured 2026-11-29: one restore against one cold prefill lost by 0.03 s under load, and
     # passed when rerun alone; one slow outlier on the restore side no longer decides (d).
     case, cold, store, restore = _restored_case(True, 0.185, 0.155)  # 0.185: the outlier
     hit = restore["num_cached_tokens"]
@@ -827,7 +827,7 @@ def test_a_repeat_that_restored_nothing_or_hit_a_cache_is_an_error() -> None:
 
 
 def test_pristine_chunk_objects_hold_one_fa_page_of_r() -> None:
-    # Measured on the H200 (session 3): olmo-r25 at C = 2N, pristine 19,922,944 B.
+    # Measured on the H200 (2026-11-29): olmo-r25 at C = 2N, pristine 19,922,944 B.
     m = gate.MODELS["olmo-r25"]
     assert gate.expected_pristine_chunk_bytes(m, 3200) == 19_922_944
     fa = 2 * 3200 * gate.attn_bytes_per_token(m)  # 2 FA layers of 8, every page
@@ -865,7 +865,7 @@ def test_matrix_refuses_to_mix_server_configurations() -> None:
 
 
 def test_matrix_counts_a_chunk_of_separate_object_groups_as_fa_plus_one_gdn_block() -> None:
-    # olmo-r5, chunk 2N, as measured on the H200 (session 8): FA 327,720 B and GDN
+    # olmo-r5, chunk 2N, as measured on the H200 (2026-11-30): FA 327,720 B and GDN
     # 491,560 B objects, each with its 40-byte trailer.
     rec = _matrix_rec("olmo-r5-NHD-c2N-offset")
     rec.update(model="olmo-r5", chunk=160, l2_bytes_per_object=409640.0)

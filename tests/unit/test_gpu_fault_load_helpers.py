@@ -408,7 +408,7 @@ def test_phase_spec(tmp_path: Path) -> None:
 
 
 def test_an_engine_ready_late_still_gets_its_minimum_load_window(tmp_path: Path) -> None:
-    # Session 5's first load run: the engine was ready 8 s after its phase's end (JIT on a
+    # The first load run (2026-11-29): the engine was ready 8 s after its phase's end (JIT on a
     # fresh node), was killed by the parent's timeout, and the whole run admitted nothing.
     cfg = load.LoadConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path, workload=W)
     pool = load.make_pool(W, cfg.case.chunk)
