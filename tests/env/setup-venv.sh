@@ -7,7 +7,7 @@
 set -euo pipefail
 VENV=${1:?usage: setup-venv.sh VENV_DIR}
 HERE=$(cd "$(dirname "$0")" && pwd)
-STAMP="$VENV/.hybridfa-env-$(sha256sum "$HERE/requirements-cpu.txt" "$0" | sha256sum | cut -c1-16)"
+STAMP="$VENV/.hybridfa-env-$(cat "$HERE/requirements-cpu.txt" "$0" | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ]; then echo "test env up to date: $VENV"; exit 0; fi
 rm -rf "$VENV"
 python3 -m venv "$VENV"
