@@ -11,6 +11,7 @@ count the bytes a restore reads from disk.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,16 @@ from typing import Any
 
 import pytest
 import torch
-from hybrid_kv import HybridKV, _NoopDispatcher, _NoopEventBackend, _Wrapper
+from hybrid_kv import (
+    FA_LAYERS,
+    NUM_LAYERS,
+    GDNState,
+    HybridKV,
+    _NoopDispatcher,
+    _NoopEventBackend,
+    _Wrapper,
+    build_hybrid_kv,
+)
 
 MODEL = "hybrid"
 TIMEOUT_S = 10.0
@@ -249,37 +259,108 @@ def start_real_server(
     return RealServer(ctx, LookupModule(ctx), module, wire, l2_dir, reads)
 
 
-def fa_bytes_after_restart(
-    real_servers: ServerFactory, l2_dir: Path, settle_s: float = 0.0, **server_args: Any
-) -> list[int]:
-    """Store a 3-chunk prompt of the N = 80 over 16-slot hybrid geometry, stop the server
-    (after ``settle_s``, for adapters that write in their own threads), start a new one
-    and engine KV on ``l2_dir``, and restore what the lookup hits. Returns the FA layers
-    whose restored blocks differ from the stored ones: empty for a byte-exact restore or
-    a miss."""
-    from hybrid_kv import FA_LAYERS, build_hybrid_kv
 
-    n, chunks, num_blocks, fa_group = 80, 3, 32, 3
-    stored = [[1 + g * chunks + i for i in range(chunks)] for g in range(4)]
-    tokens = list(range(1000, 1000 + chunks * n + 1))
-    src = build_hybrid_kv(n, 16, "NHD", num_blocks, seed=0)
-    server = real_servers(src, n, l2_dir, False, **server_args)
-    server.store("store", tokens, stored)
-    time.sleep(settle_s)
+# ---------------------------------------------------------------------------------------
+# Store under one setting, restart, restore under another (the transition matrix)
+
+N, PAGE = 80, 16  # vLLM block of 5 FlashInfer kernel pages
+BLOCKS = 12  # the prompt: 12 blocks, a whole number of chunks at N, 2N and 3N
+NUM_BLOCKS = 64
+FA_GROUP = 3  # engine group order: Mamba groups 0-2, FA group 3
+
+
+@dataclass(frozen=True)
+class Setup:
+    layout: str = "NHD"
+    page: int = PAGE  # FlashInfer's kernel page; N is FlashAttention (page = block)
+    chunk: int = N
+    separate: bool = False  # lmcache server --separate-object-groups
+    gdn: GDNState = GDNState()
+    pristine_client: bool = False  # the group infos a pristine 0.5.3 client sends
+    l2_adapter: str = "fs"  # or fs_native
+
+    def but(self, **changes: Any) -> Setup:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def server_args(self) -> dict[str, Any]:
+        return {
+            "separate": self.separate,
+            "pristine_client": self.pristine_client,
+            "l2_adapter": self.l2_adapter,
+        }
+
+
+BASE = Setup()
+
+
+def tokens() -> list[int]:
+    return list(range(1000, 1000 + BLOCKS * N + 1))
+
+
+def store_ids(chunk: int = N, nulled: bool = False) -> list[list[int]]:
+    """Block ids of the stored prompt; ``nulled``: as vLLM's align mode leaves them
+    after multi-block steps, every Mamba slot but each chunk's last one null."""
+    ids = [[1 + g * BLOCKS + i for i in range(BLOCKS)] for g in range(4)]
+    if nulled:
+        per_chunk = chunk // N
+        for g in range(3):
+            ids[g] = [b if (i + 1) % per_chunk == 0 else 0 for i, b in enumerate(ids[g])]
+    return ids
+
+
+def restore_ids(blocks: int) -> list[list[int]]:
+    """vLLM's allocation for an external hit in align mode: FA blocks from the pool,
+    Mamba slots null-padded but the last."""
+    fa = [NUM_BLOCKS - 1 - i for i in range(blocks)]
+    return [[0] * (blocks - 1) + [2 + g] for g in range(3)] + [fa]
+
+
+def store(
+    real_servers: ServerFactory, l2: Path, setup: Setup, ids: list[list[int]] | None = None
+) -> HybridKV:
+    kv = build_hybrid_kv(N, setup.page, setup.layout, NUM_BLOCKS, seed=0, gdn=setup.gdn)
+    server = real_servers(kv, setup.chunk, l2, **setup.server_args)
+    stored = server.store("store", tokens(), ids or store_ids())
+    if setup.l2_adapter != "fs":
+        time.sleep(1.0)  # fs_native writes in its own threads: let them finish
+    elif stored or not setup.pristine_client:
+        assert stored
+        server.wait_l2_files(BLOCKS * N // setup.chunk * server.num_object_groups)
     server.close()
+    return kv
 
-    kv = build_hybrid_kv(n, 16, "NHD", num_blocks, seed=1)
-    server = real_servers(kv, n, l2_dir, False, **server_args)
-    hit = server.lookup("restore", tokens[:-1])
+
+def restored_blocks(
+    real_servers: ServerFactory,
+    tmp_path: Path,
+    a: Setup,
+    b: Setup,
+    stored: list[list[int]] | None = None,
+) -> int:
+    """Store under ``a`` (from block ids ``stored``), restart under ``b`` on the same
+    folder, and restore what the lookup hits: the blocks restored (0 for a miss). A hit
+    must bring back every stored byte, or the test fails here."""
+    l2 = tmp_path / "l2"
+    stored = stored or store_ids()
+    src = store(real_servers, l2, a, stored)
+    kv = build_hybrid_kv(N, b.page, b.layout, NUM_BLOCKS, seed=1, gdn=b.gdn)
+    server = real_servers(kv, b.chunk, l2, **b.server_args)
+    prompt = tokens()
+    hit = server.lookup("restore", prompt[:-1])
     if hit == 0:
-        return []
-    ids = [[0] * (hit - 1) + [20 + g] for g in range(3)] + [[28 - i for i in range(hit)]]
-    server.retrieve("restore", tokens, 0, hit * n, ids)
-    return [
-        layer
-        for layer in FA_LAYERS
-        if not all(
-            torch.equal(kv.block_bytes(layer, dst), src.block_bytes(layer, s))
-            for dst, s in zip(ids[fa_group], stored[fa_group], strict=False)
-        )
-    ]
+        return 0
+    blocks = hit * b.chunk // N
+    ids = restore_ids(blocks)
+    assert server.retrieve("restore", prompt, 0, hit * b.chunk, ids)
+    for layer in range(NUM_LAYERS):
+        if layer in FA_LAYERS:
+            pairs = [(ids[FA_GROUP][i], stored[FA_GROUP][i]) for i in range(blocks)]
+        else:
+            g = layer % 4
+            pairs = [(ids[g][-1], stored[g][blocks - 1])]
+        for dst, s in pairs:
+            assert torch.equal(kv.block_bytes(layer, dst), src.block_bytes(layer, s)), (
+                f"layer {layer}: block {dst} restored other bytes than stored block {s}"
+            )
+    return blocks

@@ -11,107 +11,24 @@ other setting. A row with the same setting on both sides must restore every byte
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
 import pytest
 import torch
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
 
-from hybrid_kv import FA_LAYERS, NUM_LAYERS, GDNState, HybridKV, build_hybrid_kv  # noqa: E402
-from restore_server import ServerFactory  # noqa: E402
-
-N, PAGE = 80, 16  # vLLM block of 5 FlashInfer kernel pages
-BLOCKS = 12  # the prompt: 12 blocks, a whole number of chunks at N, 2N and 3N
-NUM_BLOCKS = 64
-FA_GROUP = 3  # engine group order: Mamba groups 0-2, FA group 3
-
-
-@dataclass(frozen=True)
-class Setup:
-    layout: str = "NHD"
-    page: int = PAGE  # FlashInfer's kernel page; N is FlashAttention (page = block)
-    chunk: int = N
-    separate: bool = False  # lmcache server --separate-object-groups
-    gdn: GDNState = GDNState()
-
-    def but(self, **changes: Any) -> Setup:
-        return dataclasses.replace(self, **changes)
-
-
-BASE = Setup()
-
-
-def tokens() -> list[int]:
-    return list(range(1000, 1000 + BLOCKS * N + 1))
-
-
-def store_ids(chunk: int = N, nulled: bool = False) -> list[list[int]]:
-    """Block ids of the stored prompt; ``nulled``: as vLLM's align mode leaves them
-    after multi-block steps, every Mamba slot but each chunk's last one null."""
-    ids = [[1 + g * BLOCKS + i for i in range(BLOCKS)] for g in range(4)]
-    if nulled:
-        per_chunk = chunk // N
-        for g in range(3):
-            ids[g] = [b if (i + 1) % per_chunk == 0 else 0 for i, b in enumerate(ids[g])]
-    return ids
-
-
-def restore_ids(blocks: int) -> list[list[int]]:
-    """vLLM's allocation for an external hit in align mode: FA blocks from the pool,
-    Mamba slots null-padded but the last."""
-    fa = [NUM_BLOCKS - 1 - i for i in range(blocks)]
-    return [[0] * (blocks - 1) + [2 + g] for g in range(3)] + [fa]
-
-
-def store(
-    real_servers: ServerFactory, l2: Path, setup: Setup, ids: list[list[int]] | None = None
-) -> HybridKV:
-    kv = build_hybrid_kv(N, setup.page, setup.layout, NUM_BLOCKS, seed=0, gdn=setup.gdn)
-    server = real_servers(kv, setup.chunk, l2, setup.separate)
-    assert server.store("store", tokens(), ids or store_ids())
-    server.wait_l2_files(BLOCKS * N // setup.chunk * server.num_object_groups)
-    server.close()
-    return kv
-
-
-def restored_blocks(
-    real_servers: ServerFactory,
-    tmp_path: Path,
-    a: Setup,
-    b: Setup,
-    stored: list[list[int]] | None = None,
-) -> int:
-    """Store under ``a`` (from block ids ``stored``), restart under ``b`` on the same
-    folder, and restore what the lookup hits: the blocks restored (0 for a miss). A hit
-    must bring back every stored byte, or the test fails here."""
-    l2 = tmp_path / "l2"
-    stored = stored or store_ids()
-    src = store(real_servers, l2, a, stored)
-    kv = build_hybrid_kv(N, b.page, b.layout, NUM_BLOCKS, seed=1, gdn=b.gdn)
-    server = real_servers(kv, b.chunk, l2, b.separate)
-    prompt = tokens()
-    hit = server.lookup("restore", prompt[:-1])
-    if hit == 0:
-        return 0
-    blocks = hit * b.chunk // N
-    ids = restore_ids(blocks)
-    assert server.retrieve("restore", prompt, 0, hit * b.chunk, ids)
-    for layer in range(NUM_LAYERS):
-        if layer in FA_LAYERS:
-            pairs = [(ids[FA_GROUP][i], stored[FA_GROUP][i]) for i in range(blocks)]
-        else:
-            g = layer % 4
-            pairs = [(ids[g][-1], stored[g][blocks - 1])]
-        for dst, s in pairs:
-            assert torch.equal(kv.block_bytes(layer, dst), src.block_bytes(layer, s)), (
-                f"layer {layer}: block {dst} restored other bytes than stored block {s}"
-            )
-    return blocks
+from hybrid_kv import GDNState, build_hybrid_kv  # noqa: E402
+from restore_server import (  # noqa: E402
+    BASE,
+    BLOCKS,
+    NUM_BLOCKS,
+    PAGE,
+    N,
+    restored_blocks,
+    store,
+    store_ids,
+    tokens,
+)
 
 
 @pytest.mark.parametrize(
