@@ -61,17 +61,27 @@ def _rpc_init_weights(self: Any, seed: int, std: float) -> dict[str, Any]:
     """Re-initialise every parameter from a per-name seed: N(0, std), norms 1 + N(0, std).
 
     Identical after every restart (CPU generator, seed from the parameter name), and
-    not the degenerate output of load_format="dummy" alone.
+    not the degenerate output of load_format="dummy" alone. A speculative drafter's own
+    parameters (an MTP layer) too, under "drafter."; those it shares with the target model
+    (embeddings, LM head) keep the target's values.
     """
     import hashlib
 
     import torch
 
-    model = _runner(self).get_model()
+    mr = _runner(self)
+    params = list(mr.get_model().named_parameters())
+    drafter = getattr(getattr(mr, "drafter", None), "model", None)
+    if drafter is not None:
+        params += [(f"drafter.{n}", p) for n, p in drafter.named_parameters()]
     fingerprint = hashlib.blake2b(digest_size=16)
     count = 0
+    seen: set[int] = set()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in params:
+            if p.data_ptr() in seen:
+                continue
+            seen.add(p.data_ptr())
             s = int.from_bytes(
                 hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little"
             ) & ((1 << 63) - 1)
@@ -231,6 +241,10 @@ def _wait_l2(
     return {"store_failures": 0, **res, "waited_s": time.monotonic() - t0}
 
 
+# The run's PrefillTap: the local/external split of every request's cached tokens.
+TAP: PrefillTap | None = None
+
+
 def _output(o: Any) -> dict[str, Any]:
     c = o.outputs[0]
     steps = []
@@ -245,13 +259,18 @@ def _output(o: Any) -> dict[str, Any]:
 
 
 def _generate_timed(
-    llm: Any, prompt: list[int], params: Any, steps: list[dict[str, float]] | None = None
+    llm: Any,
+    prompt: list[int],
+    params: Any,
+    steps: list[dict[str, float]] | None = None,
+    prefill: dict[str, Any] | None = None,
 ) -> tuple[Any, float, float]:
     """One request through LLMEngine's step loop: (final output, TTFT s, total s).
 
     LLM.generate only returns the finished request, so its wall time includes every decode
     step; the prefill the gate compares is the time to the first token. ``steps`` gets each
-    engine step's start and duration (s from t0, perf_counter).
+    engine step's start and duration (s from t0, perf_counter); ``prefill`` gets the
+    request's local and external cached tokens (from the run's PrefillTap).
     """
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -261,7 +280,7 @@ def _generate_timed(
     params.output_kind = RequestOutputKind.CUMULATIVE
     t0 = time.perf_counter()
     rid = f"timed-{time.monotonic_ns()}"  # one per call: an engine times several requests
-    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+    internal = engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
     ttft: float | None = None
     while True:
         ts = time.perf_counter()
@@ -273,16 +292,21 @@ def _generate_timed(
                 ttft = time.perf_counter() - t0
             if o.finished:
                 total = time.perf_counter() - t0
+                if prefill is not None and TAP is not None:
+                    local, external = TAP.stats.pop(internal or rid, (None, None))
+                    prefill.update(local_cached_tokens=local, external_cached_tokens=external)
                 return o, (total if ttft is None else ttft), total
 
 
 def _timed_summary(llm: Any, prompt: list[int], params: Any) -> dict[str, Any]:
     """TTFT, request time and prompt tokens served from a cache of one timed request."""
-    out, ttft, total = _generate_timed(llm, prompt, params)
+    split: dict[str, Any] = {}
+    out, ttft, total = _generate_timed(llm, prompt, params, prefill=split)
     return {
         "ttft_s": ttft,
         "gen_s": total,
         "num_cached_tokens": getattr(out, "num_cached_tokens", None),
+        **split,
     }
 
 
@@ -380,6 +404,7 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
         "mamba_cache_mode": "align",
         "attention_config": {"backend": spec.get("attention_backend", "FLASHINFER")},
         "tensor_parallel_size": spec["tensor_parallel_size"],
+        "speculative_config": spec.get("speculative_config"),
         # Qwen3.5's GDN prefill defaults to FlashInfer on SM90, whose kernel needs the CuTe
         # DSL package our node lacks ("SM90 GDN prefill DSL kernel is unavailable"). The
         # Triton/FLA kernel computes the same recurrence; the KV cache layout is unchanged.
@@ -411,6 +436,31 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
     return llm
 
 
+def _count_block_table_resyncs(llm: Any) -> dict[str, int] | None:
+    """Count how often patch 0003's tracker resync found vLLM's live block table changed
+    (a slot rewritten in place, not just appended): the speculative tail's moves and the
+    freed skipped blocks. None where the connector has no resync (pristine, no connector)."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    module = sys.modules.get(type(connector).__module__) if connector is not None else None
+    tracker = getattr(module, "LMCacheMPRequestTracker", None)
+    sync = getattr(tracker, "sync_block_ids", None)
+    if sync is None:
+        return None
+    counts = {"calls": 0, "rewrites": 0}
+
+    def counted(self: Any) -> None:
+        before = [list(ids) for ids in self.allocated_block_ids]
+        sync(self)
+        counts["calls"] += 1
+        after = self.allocated_block_ids
+        if any(a[: len(b)] != b for a, b in zip(after, before, strict=False)):
+            counts["rewrites"] += 1
+
+    tracker.sync_block_ids = counted
+    return counts
+
+
 def _init_weights(llm: Any, spec: dict[str, Any], result: dict[str, Any]) -> None:
     inits = [{"fingerprint": "dummy"}]  # weight_std null: keep the dummy weights (timing runs)
     if spec.get("weight_std") is not None:
@@ -431,10 +481,13 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    global TAP
     llm = _build_llm(spec, result, t_start)
     vc = llm.llm_engine.vllm_config
     _init_weights(llm, spec, result)
     result["model_runner"] = llm.collective_rpc(_rpc_install_block_hook)[0]
+    TAP = PrefillTap(llm.llm_engine.engine_core)
+    resyncs = _count_block_table_resyncs(llm)
 
     greedy = SamplingParams(
         max_tokens=spec["new_tokens"],
@@ -454,10 +507,12 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
     timed_lookups = spec["role"] == "restore" and _time_lookups(llm, lookups)
     e0 = time.time()
     t0 = time.perf_counter()
+    split: dict[str, Any] = {}
     (out, result["ttft_s"], result["gen_s"]), result["profile"] = _profiled(
-        spec, functools.partial(_generate_timed, llm, spec["prompt"], greedy, steps)
+        spec, functools.partial(_generate_timed, llm, spec["prompt"], greedy, steps, split)
     )
     result["request_epoch"] = [e0, time.time()]
+    result.update(split)
     if timed_lookups:
         result["timeline"] = restore_timeline(t0, result["ttft_s"], lookups, steps)
     result.update(_output(out))
@@ -481,6 +536,22 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
         "ratio": (n // page) if n and page else None,
     }
     result["observed_layout"] = h0.get("layout")
+    if resyncs is not None:
+        result["block_table_resyncs"] = dict(resyncs)
+        print(f"[gate] {spec['role']} block-table resyncs (patch 0003): {resyncs}", flush=True)
+
+    if spec.get("turn2_question"):
+        # vLLM's own prefix cache serves turn 1's prompt and answer to turn 2.
+        p2 = [*spec["prompt"], *result["tokens"], *spec["turn2_question"]]
+        turn2 = greedy.clone()
+        turn2.max_tokens = int(spec["turn2_new_tokens"])
+        split2: dict[str, Any] = {}
+        out2, ttft2, _ = _generate_timed(llm, p2, turn2, prefill=split2)
+        result["turn2"] = {"prompt_tokens": len(p2), "ttft_s": ttft2, **_output(out2), **split2}
+        result["turn2"]["kv_hashes"] = llm.collective_rpc(
+            _rpc_kv_hashes, args=(gate.prompt_key(p2), len(p2))
+        )
+        print(f"[gate] turn 2 prefix-cache hit {split2} of {len(p2)} tokens", flush=True)
 
     if spec.get("cold_reference"):
         # The same prefill with nothing to restore, in this engine and under this load,

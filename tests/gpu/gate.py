@@ -74,6 +74,8 @@ WEIGHT_SEED = 1234
 VOCAB = 8192
 TOKEN_LO, TOKEN_HI = 16, VOCAB - 64  # stay clear of pad/eos and Qwen's mm token ids
 KEY_LEN = 32
+# Turn 2's question after the prompt and the model's answer (fixed ids, in the token range).
+TURN2_QUESTION: tuple[int, ...] = tuple(range(TOKEN_LO + 101, TOKEN_LO + 101 + 37))
 MIN_PROMPT_TOKENS = 4096
 # An exact-multiple prompt recomputes its whole last chunk (patch 0002), so with 2 chunks
 # only half is restored and (d) is decided by noise; 4 chunks restore 3/4.
@@ -141,16 +143,16 @@ def attn_bytes_per_token(m: ModelSpec, tp: int = 1) -> int:
     return 2 * max(1, m.num_kv_heads // tp) * m.head_dim * DTYPE_BYTES[m.kv_dtype]
 
 
-def mamba_page_bytes(m: ModelSpec, tp: int = 1) -> int:
+def mamba_page_bytes(m: ModelSpec, tp: int = 1, spec_tokens: int = 0) -> int:
     """MambaSpec page of one GDN layer (conv state + temporal state), unpadded.
 
-    gated_delta_net_state_shape: conv (conv_dim/tp, kernel-1), ssm (nv/tp, hv, hk).
+    gated_delta_net_state_shape: conv (conv_dim/tp, kernel-1+num_spec), ssm (nv/tp, hv, hk).
     """
     conv_dim = (
         2 * m.linear_num_key_heads * m.linear_key_head_dim
         + m.linear_num_value_heads * m.linear_value_head_dim
     )
-    conv = (conv_dim // tp) * (m.conv_kernel - 1) * DTYPE_BYTES[m.kv_dtype]
+    conv = (conv_dim // tp) * (m.conv_kernel - 1 + spec_tokens) * DTYPE_BYTES[m.kv_dtype]
     ssm = (
         (m.linear_num_value_heads // tp)
         * m.linear_value_head_dim
@@ -170,14 +172,15 @@ def select_kernel_page(block_size: int, sizes: Sequence[int] = FLASHINFER_KERNEL
     raise ValueError(f"no kernel block size in {list(sizes)} divides {block_size}")
 
 
-def expected_geometry(m: ModelSpec, tp: int = 1) -> Geometry:
+def expected_geometry(m: ModelSpec, tp: int = 1, spec_tokens: int = 0) -> Geometry:
     """(N, kernel page, ratio) that vLLM 0.26 + FlashInfer (SM90) pick in align mode.
 
     Platform._align_hybrid_block_size: align = max(min(kernel sizes), block_size=16),
     N = align * cdiv(mamba_page, align * attn_bytes_per_token).
     """
     align = max(min(FLASHINFER_KERNEL_SIZES), DEFAULT_BLOCK_SIZE)
-    n = align * math.ceil(mamba_page_bytes(m, tp) / (align * attn_bytes_per_token(m, tp)))
+    page_bytes = mamba_page_bytes(m, tp, spec_tokens)
+    n = align * math.ceil(page_bytes / (align * attn_bytes_per_token(m, tp)))
     n = max(n, DEFAULT_BLOCK_SIZE)
     page = select_kernel_page(n)
     return Geometry(n, page, n // page)
@@ -188,8 +191,11 @@ def _layer_types(m: ModelSpec) -> list[str]:
     return (unit * (m.num_hidden_layers // 4 + 1))[: m.num_hidden_layers]
 
 
-def model_config_dict(m: ModelSpec) -> dict[str, Any]:
-    """config.json of the tiny model (no weights: engines use load_format="dummy")."""
+def model_config_dict(m: ModelSpec, mtp: bool = False) -> dict[str, Any]:
+    """config.json of the tiny model (no weights: engines use load_format="dummy");
+    ``mtp``: with one multi-token-prediction layer (Qwen3.5 only)."""
+    if mtp and m.family != "qwen3_5":
+        raise ValueError(f"{m.name}: only the Qwen3.5 family has an MTP layer here")
     common: dict[str, Any] = {
         "vocab_size": m.vocab_size,
         "hidden_size": m.hidden_size,
@@ -239,6 +245,8 @@ def model_config_dict(m: ModelSpec) -> dict[str, Any]:
             "pad_token_id": 0,
             "eos_token_id": 1,
         }
+        if mtp:
+            text["mtp_num_hidden_layers"] = 1
         vision = {
             "model_type": "qwen3_5",
             "depth": 1,
@@ -256,6 +264,8 @@ def model_config_dict(m: ModelSpec) -> dict[str, Any]:
         return {
             "architectures": ["Qwen3_5ForConditionalGeneration"],
             "model_type": "qwen3_5",
+            # vLLM's SpeculativeConfig reads n_predict from the top-level config
+            **({"mtp_num_hidden_layers": 1} if mtp else {}),
             "text_config": text,
             "vision_config": vision,
             "image_token_id": m.vocab_size - 4,
@@ -268,10 +278,10 @@ def model_config_dict(m: ModelSpec) -> dict[str, Any]:
     raise ValueError(f"unknown family {m.family}")
 
 
-def write_model_dir(m: ModelSpec, root: Path) -> Path:
-    d = Path(root) / m.name
+def write_model_dir(m: ModelSpec, root: Path, mtp: bool = False) -> Path:
+    d = Path(root) / (f"{m.name}-mtp" if mtp else m.name)
     d.mkdir(parents=True, exist_ok=True)
-    atomic_write(d / "config.json", json.dumps(model_config_dict(m), indent=1) + "\n")
+    atomic_write(d / "config.json", json.dumps(model_config_dict(m, mtp), indent=1) + "\n")
     return d
 
 
@@ -409,6 +419,8 @@ class Case:
     tp: int = 1
     backend: str = "FLASHINFER"  # or FLASH_ATTN: no subpaging, the page is the block
     batched: str = "2N-1"  # max_num_batched_tokens: 2N-1 or N
+    spec_tokens: int = 0  # MTP speculative decoding (num_speculative_tokens) in every engine
+    turn: int = 1  # 2: restore a chat's second turn (prompt + the model's answer + a question)
 
     @property
     def spec(self) -> ModelSpec:
@@ -416,7 +428,7 @@ class Case:
 
     @property
     def geometry(self) -> Geometry:
-        g = expected_geometry(self.spec, self.tp)
+        g = expected_geometry(self.spec, self.tp, self.spec_tokens)
         if self.backend == "FLASH_ATTN":
             return Geometry(g.block_size, g.block_size, 1)
         return g
@@ -440,7 +452,35 @@ class Case:
         tp = f"-tp{self.tp}" if self.tp != 1 else ""
         fa = "-fa" if self.backend == "FLASH_ATTN" else ""
         mbt = "-mbtN" if self.batched == "N" else ""
-        return f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}{fa}{mbt}{tp}"
+        mtp = f"-mtp{self.spec_tokens}" if self.spec_tokens else ""
+        turn = f"-turn{self.turn}" if self.turn != 1 else ""
+        return f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}{fa}{mbt}{mtp}{turn}{tp}"
+
+    @property
+    def answer_tokens(self) -> int:
+        """Tokens turn 1 generates: NEW_TOKENS, or for a turn-2 case at least two chunks,
+        ending so that turn 1's KV (prompt + answer - 1 tokens) reaches N/2 tokens past a
+        chunk boundary: vLLM's own prefix cache (full blocks) and a chunk-aligned restore
+        then resume turn 2 from the same token, and both engines recompute the same tail."""
+        if self.turn == 1:
+            return NEW_TOKENS
+        n, c, p = self.geometry.block_size, self.chunk, self.prompt_tokens
+        return 2 * c + (n // 2 - (p - 1 + 2 * c)) % c
+
+    @property
+    def turn2_prompt_tokens(self) -> int:
+        return self.prompt_tokens + self.answer_tokens + len(TURN2_QUESTION)
+
+    @property
+    def promisable_hit(self) -> int:
+        """The most a hybrid connector can restore: chunks before the last prompt token,
+        and for turn 2 only chunks turn 1 computed KV for (prompt + answer - 1 tokens)."""
+        if self.turn == 1:
+            return max_promisable_hit(self.prompt_tokens, self.chunk)
+        kv = self.prompt_tokens + self.answer_tokens - 1
+        return min(
+            kv // self.chunk * self.chunk, max_promisable_hit(self.turn2_prompt_tokens, self.chunk)
+        )
 
 
 def full_matrix(tp: int = 1) -> list[Case]:
@@ -506,6 +546,32 @@ def deployment_matrix(tp: int = 1) -> list[Case]:
     ]
 
 
+def mtp_matrix(tp: int = 1) -> list[Case]:
+    """MTP speculative decoding (Qwen3.5's own MTP layer) in every engine, 1 and 2 tokens."""
+    return [
+        Case("qwen35-r5", "NHD", 2, False, tp, spec_tokens=1),
+        Case("qwen35-r5", "HND", 1, True, tp, spec_tokens=2),
+        Case("qwen35-r17", "NHD", 1, False, tp, spec_tokens=2),
+        Case("qwen35-r5", "NHD", 2, False, tp, backend="FLASH_ATTN", spec_tokens=1),
+    ]
+
+
+def turn2_matrix(tp: int = 1) -> list[Case]:
+    """A chat's second turn after a restart, against vLLM's own prefix cache."""
+    return [
+        Case("olmo-r5", "NHD", 2, False, tp, turn=2),
+        Case("olmo-r5", "HND", 4, False, tp, turn=2),
+        Case("qwen35-r5", "NHD", 1, False, tp, turn=2),
+        Case("qwen35-r5", "HND", 2, False, tp, spec_tokens=1, turn=2),
+        Case("olmo-r5", "NHD", 2, False, tp, backend="FLASH_ATTN", turn=2),
+    ]
+
+
+def named_cases(tp: int = 1) -> list[Case]:
+    """Every case a selector can name."""
+    return full_matrix(tp) + deployment_matrix(tp) + mtp_matrix(tp) + turn2_matrix(tp)
+
+
 def completed_cases(arm: str, folder: Path) -> set[str]:
     """Case ids that completed (all three engines ran) in ``folder``'s reports of ``arm``."""
     done: set[str] = set()
@@ -516,19 +582,23 @@ def completed_cases(arm: str, folder: Path) -> set[str]:
 
 
 def select_cases(selector: str, tp: int = 1) -> list[Case]:
-    """quick | core | all | full | comma-separated case ids or regexes over case ids."""
+    """Comma-separated: quick | core | all | full | deploy | mtp | turn2, case ids, or
+    regexes over case ids."""
     named = {
         "quick": quick_matrix,
         "core": core_matrix,
         "all": all_matrix,
         "full": full_matrix,
         "deploy": deployment_matrix,
+        "mtp": mtp_matrix,
+        "turn2": turn2_matrix,
     }
-    if selector in named:
-        return named[selector](tp)
-    pool = full_matrix(tp) + deployment_matrix(tp)
+    pool = named_cases(tp)
     out: list[Case] = []
     for part in (p.strip() for p in selector.split(",") if p.strip()):
+        if part in named:
+            out += [c for c in named[part](tp) if c not in out]
+            continue
         hits = [c for c in pool if c.case_id == part] or [
             c for c in pool if re.fullmatch(part, c.case_id)
         ]
@@ -621,6 +691,16 @@ def compare_kv_hashes(
     return res
 
 
+def connector_hit(result: dict[str, Any]) -> tuple[int, int]:
+    """(external, local) prompt tokens of an engine's measured request: the KV connector's
+    hit and vLLM's own prefix cache's. Results without the split (before 2026-12-01)
+    report their sum, num_cached_tokens, as the external hit."""
+    ext = result.get("external_cached_tokens")
+    if ext is None:
+        return int(result.get("num_cached_tokens") or 0), 0
+    return int(ext), int(result.get("local_cached_tokens") or 0)
+
+
 def evaluate_case(
     case: Case,
     cold: dict[str, Any] | None,
@@ -659,21 +739,34 @@ def evaluate_case(
     if not layout_ok:
         out["errors"].append("observed KV layout differs from the case's layout")
 
-    p = case.prompt_tokens
-    hit = int(restore.get("num_cached_tokens") or 0)
+    # The reference for (a) and (b): the storing engine's own prompt; for turn 2, vLLM's
+    # own prefix cache (the cold engine ran turn 1, then turn 2).
+    reference = store if case.turn == 1 else (cold.get("turn2") or {})
+    if case.turn == 2 and not reference.get("kv_hashes"):
+        out["errors"].append("the reference engine did not run turn 2")
+    p = case.prompt_tokens if case.turn == 1 else case.turn2_prompt_tokens
+    hit, local = connector_hit(restore)
+    if local:
+        out["errors"].append(
+            f"the restore engine's own prefix cache served {local} tokens: "
+            "the restore was not a fresh engine's"
+        )
+    if case.turn == 2:
+        _, ref_local = connector_hit(reference)
+        out["reference_prefix_cache_hit"] = ref_local
     restore_runs, cold_runs, timing_problems = d_timings(restore)
     out["errors"] += timing_problems
-    kv = compare_kv_hashes(store.get("kv_hashes"), restore.get("kv_hashes"), hit)
-    ranks = len(_ranks(store.get("kv_hashes")))
+    kv = compare_kv_hashes(reference.get("kv_hashes"), restore.get("kv_hashes"), hit)
+    ranks = len(_ranks(reference.get("kv_hashes")))
     if ranks != case.tp:
         kv["problems"].append(f"KV hashes from {ranks} rank(s), expected {case.tp}")
         kv["match"] = False
-    lp_ok, lp_diff = compare_logprobs(store["logprobs"], restore["logprobs"])
+    lp_ok, lp_diff = compare_logprobs(reference.get("logprobs") or [], restore["logprobs"])
     out.update(
         prompt_tokens=p,
         hit_tokens=hit,
         hit_pct=round(100.0 * hit / p, 2),
-        required_hit=required_hit(p, case.chunk),
+        required_hit=min(math.ceil(HIT_FRACTION * p), case.promisable_hit),
         restore_s=_median(restore_runs),
         restore_runs_s=restore_runs,
         cold_s=_ttft(cold),
@@ -682,7 +775,7 @@ def evaluate_case(
         first_restore_s=_first_restore_ttft(restore),
         kv=kv,
         bytes_match=kv["match"],
-        tokens_match=store["tokens"] == restore["tokens"],
+        tokens_match=reference.get("tokens") == restore["tokens"],
         logprobs_match=lp_ok,
         logprob_max_diff=lp_diff,
         cold_tokens_match_store=cold["tokens"] == store["tokens"],
@@ -1047,7 +1140,7 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
     tally = {arm: {"ran": 0, "pass": 0, "a": 0} for arm in ("patched", "pristine")}
     ran_deployment = [
         c
-        for c in deployment_matrix(tp)
+        for c in named_cases(tp)[len(full_matrix(tp)) :]
         if any((arm, c.case_id) in runs for arm in ("patched", "pristine"))
     ]
     for case in full_matrix(tp) + ran_deployment:
@@ -1402,12 +1495,12 @@ def engine_spec(
         "gpu_memory_utilization": rc.gpu_memory_utilization,
         "max_num_batched_tokens": case.max_num_batched_tokens,
         "attention_backend": case.backend,
-        "max_model_len": p + 4 * g.block_size,
+        "max_model_len": (p if case.turn == 1 else case.turn2_prompt_tokens) + 4 * g.block_size,
         "prompt": make_prompt(p, seed=1),
         "warmup": make_prompt(2 * g.block_size + 3, seed=2),
         "health": make_prompt(3 * g.block_size + 17, seed=3),
         "prompt_key": prompt_key(make_prompt(p, seed=1)),
-        "new_tokens": NEW_TOKENS,
+        "new_tokens": case.answer_tokens,
         "top_k": TOP_K,
         "weight_seed": WEIGHT_SEED,
         "weight_std": WEIGHT_STD,
@@ -1415,6 +1508,12 @@ def engine_spec(
     }
     if rc.kv_cache_memory_bytes:
         spec["kv_cache_memory_bytes"] = rc.kv_cache_memory_bytes
+    if case.spec_tokens:
+        spec["speculative_config"] = {"method": "mtp", "num_speculative_tokens": case.spec_tokens}
+    if role == "cold" and case.turn == 2:
+        # vLLM's own prefix cache is turn 2's reference: this engine runs turn 1, then turn 2.
+        spec["turn2_question"] = list(TURN2_QUESTION)
+        spec["turn2_new_tokens"] = NEW_TOKENS
     if port is not None:
         spec["lmcache"] = {
             "module_path": CONNECTOR_MODULE,
@@ -1422,7 +1521,8 @@ def engine_spec(
         }
     if role == "store" and l2_dir is not None:
         spec["l2_dir"] = str(l2_dir)
-        spec["l2_min_objects"] = (p // case.chunk) * case.tp
+        stored = p if case.turn == 1 else p + case.answer_tokens - 1
+        spec["l2_min_objects"] = (stored // case.chunk) * case.tp
         spec["server_log"] = str(l2_dir.parent / "server1.log")
     return spec
 
@@ -1445,29 +1545,60 @@ def store_spec(
     spec = engine_spec(case, "store", model_dir, rc, port, l2_dir)
     seeds = (WARM_RESTORE_SEED, *(r for r, _ in D_REPEAT_SEEDS))
     spec["also_store"] = [make_prompt(case.prompt_tokens, seed=s) for s in seeds]
-    spec["l2_min_objects"] *= 1 + len(seeds)
+    spec["l2_min_objects"] += len(seeds) * (case.prompt_tokens // case.chunk) * case.tp
     return spec
 
 
-def restore_spec(case: Case, model_dir: Path, rc: RunConfig, port: int) -> dict[str, Any]:
+def turn2_prompt(case: Case, answer: Sequence[int]) -> list[int]:
+    """Turn 2: turn 1's prompt, the model's answer to it, and the question."""
+    return [*make_prompt(case.prompt_tokens, seed=1), *answer, *TURN2_QUESTION]
+
+
+def restore_spec(
+    case: Case, model_dir: Path, rc: RunConfig, port: int, answer: Sequence[int] = ()
+) -> dict[str, Any]:
     """The restore engine's spec. A fresh engine's first request of a new length paid
     0.7-2.5 s more on the H200 (2026-11-29; Triton compiling and autotuning GDN kernels per
     shape, most likely), so before the timed restore it restores store_spec's second prompt
     and cold-prefills a third; the cold reference for (d) follows the timed restore, then
-    the repeats: a restore of another stored prompt and a cold prefill, D_REPEATS - 1 times."""
+    the repeats: a restore of another stored prompt and a cold prefill, D_REPEATS - 1 times.
+
+    A turn-2 case restores turn 2 (``answer``: turn 1's tokens) and times a cold prefill of
+    the same length; its repeats are turn-1 prompts, restores and cold prefills alike."""
     p = case.prompt_tokens
+    spec = engine_spec(case, "restore", model_dir, rc, port, None)
+    cold_reference = make_prompt(p, seed=4)
+    if case.turn == 2:
+        prompt = turn2_prompt(case, answer)
+        spec.update(prompt=prompt, prompt_key=prompt_key(prompt), new_tokens=NEW_TOKENS)
+        cold_reference = make_prompt(len(prompt), seed=4)
     return {
-        **engine_spec(case, "restore", model_dir, rc, port, None),
+        **spec,
         "warm_first": {
             "restore": make_prompt(p, seed=WARM_RESTORE_SEED),
             "cold": make_prompt(p, seed=5),
         },
-        "cold_reference": make_prompt(p, seed=4),
+        "cold_reference": cold_reference,
         "timed_pairs": [
             {"restore": make_prompt(p, seed=r), "cold": make_prompt(p, seed=c)}
             for r, c in D_REPEAT_SEEDS
         ],
     }
+
+
+def cold_key(case: Case) -> tuple[Any, ...]:
+    """What a cold engine's results depend on (the chunk only through turn 1's length)."""
+    return (
+        case.model,
+        case.prompt_tokens,
+        case.layout,
+        case.tp,
+        case.backend,
+        case.max_num_batched_tokens,
+        case.spec_tokens,
+        case.answer_tokens,
+        case.turn,
+    )
 
 
 def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
@@ -1478,7 +1609,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     wd.mkdir(parents=True)
     l2 = wd / "l2"
     l2.mkdir()
-    model_dir = write_model_dir(case.spec, rc.work / "models")
+    model_dir = write_model_dir(case.spec, rc.work / "models", mtp=case.spec_tokens > 0)
     env = child_env(rc.lmcache_dir, case.layout)
     rec: dict[str, Any] = {
         "case": case.case_id,
@@ -1492,13 +1623,12 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         "chunk_blocks": case.chunk_blocks,
         "attention_backend": case.backend,
         "max_num_batched_tokens": case.max_num_batched_tokens,
-        "spec_tokens": 0,
-        "turn": 1,
+        "spec_tokens": case.spec_tokens,
+        "turn": case.turn,
         "expected_chunk_bytes": expected_chunk_bytes(case.spec, case.chunk, case.tp),
     }
-    key = (case.model, case.prompt_tokens, case.layout, case.tp)
     cold = cold_runs.get_or_run(
-        key,
+        cold_key(case),
         lambda: run_engine(
             rc.python,
             env,
@@ -1525,14 +1655,19 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         inv = rec["l2_after_kill"]
         if inv["objects"]:
             rec["l2_bytes_per_object"] = inv["bytes"] / inv["objects"]
-        if store.get("ok"):
+        if store.get("ok") and case.turn == 2 and store.get("tokens") != cold.get("tokens"):
+            rec["server_error"] = (
+                "turn 1's answer in the store engine differs from the reference engine's: "
+                "turn 2 would not be the chat that was stored"
+            )
+        elif store.get("ok"):
             port = free_port()
             srv = start_server(rc.python, env, port, case.chunk, l2, wd / "server2.log")
             servers.append(srv)
             restore = run_engine(
                 rc.python,
                 env,
-                restore_spec(case, model_dir, rc, port),
+                restore_spec(case, model_dir, rc, port, store.get("tokens") or ()),
                 wd,
                 "restore",
                 rc.engine_timeout,
@@ -1612,6 +1747,9 @@ print("GATE-ENV " + json.dumps(out))
     except (OSError, subprocess.TimeoutExpired) as e:
         hardware["gpus"] = f"nvidia-smi failed: {e}"
     return {"versions": versions, "hardware": hardware, "server_args": extra_server_args()}
+
+
+ARMS = ("patched", "pristine", "pristine-0005")
 
 
 def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | None:
@@ -1798,15 +1936,14 @@ def rebuild_report(arm: str, work: Path, header_from: Path, out: Path) -> dict[s
         "stopped_early": True,
     }
     for wd in folders:
-        pool = [c for tp in (1, 2) for c in full_matrix(tp) + deployment_matrix(tp)]
+        pool = [c for tp in (1, 2) for c in named_cases(tp)]
         hits = [c for c in pool if c.case_id == wd.name]
         store, restore = _read_json(wd / "store.json"), _read_json(wd / "restore.json")
         if not hits or store is None or restore is None:
             report["not_run"].append(wd.name)
             continue
         case = hits[0]
-        key = (case.model, case.prompt_tokens, case.layout, case.tp)
-        cold = _read_json(wd / "cold.json") or cold_runs.get(key) or {"ok": False}
+        cold = _read_json(wd / "cold.json") or cold_runs.get(cold_key(case)) or {"ok": False}
         server1 = server_log_facts((wd / "server1.log").read_text(errors="replace"))
         ev = add_errors(evaluate_case(case, cold, store, restore), run_errors({"server1": server1}))
         report["cases"].append(
@@ -1865,7 +2002,12 @@ def case_args(a: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arm", choices=("patched", "pristine"))
+    ap.add_argument(
+        "--arm",
+        choices=ARMS,
+        help="patched; pristine; pristine-0005: pristine with only the series' HND patch "
+        "(pristine's HND stores crash, so this arm shows that (a) bites under HND)",
+    )
     ap.add_argument(
         "--lmcache-dir",
         type=Path,

@@ -929,3 +929,160 @@ def test_deployment_cases_name_their_backend_and_batch() -> None:
     assert cases["olmo-r5-NHD-c1N-offset-mbtN"].max_num_batched_tokens == 80
     assert gate.select_cases("olmo-r5-NHD-c3N-offset")[0].chunk == 240
     assert gate.Case("olmo-r5", "NHD", 1, False).max_num_batched_tokens == 159
+
+
+def test_mtp_lengthens_the_conv_state_in_the_expected_page() -> None:
+    m = gate.MODELS["qwen35-r5"]
+    conv_dim = 2 * 4 * 64 + 8 * 64
+    assert gate.mamba_page_bytes(m, spec_tokens=2) - gate.mamba_page_bytes(m) == conv_dim * 2 * 2
+    case = gate.Case("qwen35-r5", "NHD", 2, False, spec_tokens=1)
+    assert case.case_id == "qwen35-r5-NHD-c2N-offset-mtp1"
+    assert case.geometry == gate.expected_geometry(m, 1, 1)
+
+
+def test_mtp_model_config_takes_vllms_mtp_path() -> None:
+    pytest.importorskip("transformers")
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.transformers_utils.configs.qwen3_5 import Qwen3_5Config
+
+    cfg = Qwen3_5Config(**gate.model_config_dict(gate.MODELS["qwen35-r5"], mtp=True))
+    assert cfg.text_config.mtp_num_hidden_layers == 1
+    draft = SpeculativeConfig.hf_config_override(cfg)
+    assert draft.architectures == ["Qwen3_5MTP"] and draft.n_predict == 1
+    with pytest.raises(ValueError, match="MTP"):
+        gate.model_config_dict(gate.MODELS["olmo-r5"], mtp=True)
+
+
+def test_mtp_cases_ask_every_engine_for_speculative_decoding(tmp_path: Path) -> None:
+    rc = gate.RunConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path)
+    case = gate.Case("qwen35-r5", "HND", 1, True, spec_tokens=2)
+    for role in ("cold", "store", "restore"):
+        spec = gate.engine_spec(case, role, tmp_path, rc, 1, None)
+        assert spec["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert "speculative_config" not in gate.engine_spec(
+        gate.Case("qwen35-r5", "HND", 1, True), "cold", tmp_path, rc, None, None
+    )
+    assert {c.spec_tokens for c in gate.select_cases("mtp")} == {1, 2}
+
+
+@pytest.mark.parametrize("case", gate.turn2_matrix(), ids=lambda c: c.case_id)
+def test_turn2_answer_ends_where_prefix_cache_and_chunks_agree(case: Any) -> None:
+    n, c = case.geometry.block_size, case.chunk
+    kv_tokens = case.prompt_tokens + case.answer_tokens - 1
+    assert case.answer_tokens >= 2 * c
+    assert kv_tokens % c == n // 2  # a full-block prefix hit ends on a chunk boundary
+    assert kv_tokens // n * n == case.promisable_hit
+    assert case.promisable_hit >= gate.HIT_FRACTION * case.turn2_prompt_tokens - n
+
+
+def test_turn2_restores_the_prompt_plus_answer_plus_question(tmp_path: Path) -> None:
+    rc = gate.RunConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path)
+    case = gate.Case("olmo-r5", "NHD", 2, False, turn=2)
+    answer = list(range(100, 100 + case.answer_tokens))
+    cold = gate.engine_spec(case, "cold", tmp_path, rc, None, None)
+    assert cold["new_tokens"] == case.answer_tokens
+    assert cold["turn2_question"] == list(gate.TURN2_QUESTION)
+    restore = gate.restore_spec(case, tmp_path, rc, 1, answer)
+    assert restore["prompt"] == cold["prompt"] + answer + list(gate.TURN2_QUESTION)
+    assert restore["prompt_key"] == gate.prompt_key(restore["prompt"])
+    assert len(restore["cold_reference"]) == case.turn2_prompt_tokens
+    assert restore["max_model_len"] >= case.turn2_prompt_tokens + gate.NEW_TOKENS
+    assert case.turn2_prompt_tokens == len(restore["prompt"])
+
+
+def _turn2_engines(restore_kv: list, restore_tokens: list[int]) -> tuple[Any, dict, dict, dict]:
+    case = gate.Case("olmo-r5", "NHD", 2, False, turn=2)
+    p2, hit = case.turn2_prompt_tokens, case.promisable_hit
+    ref_kv = [_hashes({"0": "a"}, {str(hit // 80 - 1): "x"})]
+    cold = _engine([5] * case.answer_tokens, [], 3.0)
+    cold["turn2"] = {
+        "tokens": [7],
+        "logprobs": [],
+        "kv_hashes": ref_kv,
+        "local_cached_tokens": hit,
+        "external_cached_tokens": 0,
+    }
+    # the storing engine's own turn-1 prompt: what turn 1 (wrongly) would compare against
+    store = _engine([5] * case.answer_tokens, [], 3.0, kv=[_hashes({"0": "turn1"}, {})])
+    restore = {**_engine(restore_tokens, [], 0.5, cached=hit, kv=restore_kv), "ttft_s": 0.5}
+    restore.update(external_cached_tokens=hit, local_cached_tokens=0)
+    restore["cold_reference"] = {"ttft_s": 1.0, "num_cached_tokens": 0}
+    assert p2 > hit
+    return case, cold, store, restore
+
+
+def test_turn2_is_judged_against_vllms_own_prefix_cache() -> None:
+    case, cold, store, restore = _turn2_engines([], [7])
+    restore["kv_hashes"] = cold["turn2"]["kv_hashes"]
+    ev = gate.evaluate_case(case, cold, store, restore)
+    assert ev["pass"], ev
+    assert ev["reference_prefix_cache_hit"] == case.promisable_hit
+    _, _, _, flipped = _turn2_engines(cold["turn2"]["kv_hashes"], [8])
+    ev = gate.evaluate_case(case, cold, store, flipped)
+    assert ev["a"] and not ev["b"] and not ev["pass"]
+
+
+def test_turn2_without_the_reference_turn_is_an_error() -> None:
+    case, cold, store, restore = _turn2_engines([], [7])
+    del cold["turn2"]
+    ev = gate.evaluate_case(case, cold, store, restore)
+    assert "the reference engine did not run turn 2" in ev["errors"] and not ev["pass"]
+
+
+def test_c_counts_the_connectors_hit_not_the_engines_own_prefix_cache() -> None:
+    case, cold, store, restore = _restored_case(False, 0.5, 1.0)
+    hit = restore["num_cached_tokens"]
+    assert gate.evaluate_case(case, cold, store, restore)["c"]
+    # the same cached-token count, served by vLLM's own prefix cache and not LMCache
+    local = {**restore, "external_cached_tokens": 0, "local_cached_tokens": hit}
+    ev = gate.evaluate_case(case, cold, store, local)
+    assert ev["hit_tokens"] == 0 and not ev["c"] and not ev["pass"]
+    assert any("own prefix cache served" in e for e in ev["errors"])
+
+
+def test_block_table_resyncs_are_counted_when_a_slot_is_rewritten() -> None:
+    from types import ModuleType
+    from types import SimpleNamespace as NS
+
+    class Tracker:
+        def __init__(self) -> None:
+            self.allocated_block_ids = [[1, 2]]
+            self.live = [[1, 2]]
+
+        def sync_block_ids(self) -> None:
+            self.allocated_block_ids = [list(g) for g in self.live]
+
+    module = ModuleType("fake_lmcache_mp_connector")
+    module.LMCacheMPRequestTracker = Tracker
+    connector_cls = type("LMCacheMPConnector", (), {"__module__": module.__name__})
+    sys.modules[module.__name__] = module
+    try:
+        core = NS(scheduler=NS(connector=connector_cls()))
+        llm = NS(llm_engine=NS(engine_core=NS(engine_core=core)))
+        counts = engine_proc._count_block_table_resyncs(llm)
+        t = Tracker()
+        t.live = [[1, 2, 3]]  # appended: no rewrite
+        t.sync_block_ids()
+        t.live = [[1, 0, 4]]  # the speculative tail moved, the old slot nulled
+        t.sync_block_ids()
+        assert counts == {"calls": 2, "rewrites": 1}
+        assert engine_proc._count_block_table_resyncs(NS(llm_engine=NS())) is None
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_init_weights_covers_the_drafter_but_not_what_it_shares() -> None:
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace as NS
+
+    w = _fake_runner(torch, None, None, 80, ([],), [])
+    runner = w.worker.model_runner
+    shared = runner.model["proj"]
+    runner.drafter = NS(model=torch.nn.ModuleDict({"fc": torch.nn.Linear(4, 4), "head": shared}))
+    engine_proc._rpc_init_weights(w, 1234, 0.02)
+    target_proj = shared.weight.detach().clone()
+    fresh = _fake_runner(torch, None, None, 80, ([],), [])
+    engine_proc._rpc_init_weights(fresh, 1234, 0.02)
+    assert torch.equal(target_proj, fresh.worker.model_runner.model["proj"].weight)
+    fc = runner.drafter.model["fc"].weight
+    assert float(fc.detach().abs().max()) < 0.2 and float(fc.detach().std()) > 0.005
