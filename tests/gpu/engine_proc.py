@@ -450,11 +450,12 @@ def _count_block_table_resyncs(llm: Any) -> dict[str, int] | None:
     counts = {"calls": 0, "rewrites": 0}
 
     def counted(self: Any) -> None:
-        before = [list(ids) for ids in self.allocated_block_ids]
+        # allocated_block_ids: engine group index -> block ids
+        before = {g: list(ids) for g, ids in self.allocated_block_ids.items()}
         sync(self)
         counts["calls"] += 1
         after = self.allocated_block_ids
-        if any(a[: len(b)] != b for a, b in zip(after, before, strict=False)):
+        if any(list(after.get(g, []))[: len(b)] != b for g, b in before.items()):
             counts["rewrites"] += 1
 
     tracker.sync_block_ids = counted

@@ -1046,11 +1046,11 @@ def test_block_table_resyncs_are_counted_when_a_slot_is_rewritten() -> None:
 
     class Tracker:
         def __init__(self) -> None:
-            self.allocated_block_ids = [[1, 2]]
+            self.allocated_block_ids = {0: [1, 2]}
             self.live = [[1, 2]]
 
         def sync_block_ids(self) -> None:
-            self.allocated_block_ids = [list(g) for g in self.live]
+            self.allocated_block_ids = dict(enumerate(self.live))
 
     module = ModuleType("fake_lmcache_mp_connector")
     module.LMCacheMPRequestTracker = Tracker
