@@ -54,7 +54,7 @@ def test_a_changed_entry_whose_test_no_longer_fails_is_stale() -> None:
 PASS5 = ["passed"] * 5
 
 
-def test_not_passing_two_more_rate_rounds_than_pristine_is_a_regression() -> None:
+def test_a_not_passed_rate_40_points_above_pristine_is_a_regression() -> None:
     patched = {"t::a": ["failed", "passed", "failed", "passed", "passed"]}
     regressions, _ = runner.compare_rates(["t::a"], patched, {"t::a": PASS5})
     assert regressions == ["t::a"]
@@ -65,7 +65,12 @@ def test_one_rate_round_more_than_pristine_is_only_flaky() -> None:
     assert runner.compare_rates(["t::a"], patched, {"t::a": PASS5})[0] == []
 
 
-def test_the_rate_margin_counts_from_pristine_failures() -> None:
+def test_three_of_ten_rate_rounds_against_none_is_only_flaky() -> None:
+    patched = {"t::a": ["failed"] * 3 + ["passed"] * 7}
+    assert runner.compare_rates(["t::a"], patched, {"t::a": ["passed"] * 10})[0] == []
+
+
+def test_the_rate_gap_counts_from_pristine_failures() -> None:
     patched = {"t::a": ["failed"] * 4 + ["passed"]}
     pristine = {"t::a": ["failed"] * 3 + ["passed"] * 2}
     assert runner.compare_rates(["t::a"], patched, pristine)[0] == []
