@@ -1,10 +1,13 @@
-"""The upstream runner's verdict: which persistent failures count as regressions."""
+"""The upstream runner's verdict: which failures, flakes and skips count as regressions."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
+
+import pytest
 
 RUNNER = Path(__file__).resolve().parent.parent / "upstream" / "run_upstream.py"
 spec = importlib.util.spec_from_file_location("hybridfa_run_upstream", RUNNER)
@@ -46,3 +49,180 @@ def test_a_test_the_series_changes_is_reported_apart_from_regressions() -> None:
 def test_a_changed_entry_whose_test_no_longer_fails_is_stale() -> None:
     key = "tests/v1/test_mm.py::test_key"
     assert runner.split_changed([], [_entry(key)], ["tests"]) == ([], [], [key])
+
+
+PASS5 = ["passed"] * 5
+
+
+def test_a_not_passed_rate_40_points_above_pristine_is_a_regression() -> None:
+    patched = {"t::a": ["failed", "passed", "failed", "passed", "passed"]}
+    regressions, _ = runner.compare_rates(["t::a"], patched, {"t::a": PASS5})
+    assert regressions == ["t::a"]
+
+
+def test_one_rate_round_more_than_pristine_is_only_flaky() -> None:
+    patched = {"t::a": ["passed", "error", "passed", "passed", "passed"]}
+    assert runner.compare_rates(["t::a"], patched, {"t::a": PASS5})[0] == []
+
+
+def test_three_of_ten_rate_rounds_against_none_is_only_flaky() -> None:
+    patched = {"t::a": ["failed"] * 3 + ["passed"] * 7}
+    assert runner.compare_rates(["t::a"], patched, {"t::a": ["passed"] * 10})[0] == []
+
+
+def test_the_rate_gap_counts_from_pristine_failures() -> None:
+    patched = {"t::a": ["failed"] * 4 + ["passed"]}
+    pristine = {"t::a": ["failed"] * 3 + ["passed"] * 2}
+    assert runner.compare_rates(["t::a"], patched, pristine)[0] == []
+
+
+def test_a_rate_round_that_skips_is_not_a_pass() -> None:
+    regressions, _ = runner.compare_rates(["t::a"], {"t::a": ["skipped"] * 5}, {"t::a": PASS5})
+    assert regressions == ["t::a"]
+
+
+def test_the_rate_record_holds_both_builds_outcomes_and_rates() -> None:
+    patched = {"t::a": ["failed", "skipped", "passed", "passed", "passed"]}
+    _, [record] = runner.compare_rates(["t::a"], patched, {"t::a": PASS5})
+    assert record == {
+        "id": "t::a", "regression": True,
+        "patched": patched["t::a"], "patched_not_passed": "2/5",
+        "pristine": PASS5, "pristine_not_passed": "0/5",
+    }  # fmt: skip
+
+
+def test_a_failure_that_only_skips_on_rerun_stays_failed() -> None:
+    assert runner.final_outcome("failed", ["skipped", "skipped"]) == "failed"
+
+
+def test_skipping_on_patched_right_after_pristine_passed_is_a_regression() -> None:
+    got = runner.classify(["t::c"], {"t::c": ["passed"]}, {"t::c": ["skipped", "skipped"]})
+    assert got == (["t::c"], [], [])
+
+
+class FakeSuite:
+    """Stands in for run_pytest: script[nid][build] lists the outcome of each run of nid on
+    that build ("patched"/"pristine"); the last one repeats."""
+
+    def __init__(self, tmp_path: Path, script: dict[str, dict[str, list[str]]]) -> None:
+        self.builds = {tmp_path / "patched": "patched", tmp_path / "pristine": "pristine"}
+        self.script = {"tests/test_ok.py::test_ok": {"patched": ["passed"], "pristine": ["passed"]}}
+        self.script.update(script)
+        self.runs: dict[tuple[str, str], int] = {}
+
+    def run_pytest(
+        self, python: str, build: Path, work: Path, label: str, targets: list[str], wall: int
+    ) -> object:
+        arm = self.builds[build]
+        outcomes = {}
+        for nid, per_build in self.script.items():
+            if targets != ["tests"] and nid not in targets:
+                continue
+            n = self.runs.get((arm, nid), 0)
+            self.runs[arm, nid] = n + 1
+            outcomes[nid] = per_build[arm][min(n, len(per_build[arm]) - 1)]
+        rc = 1 if any(o in runner.BAD for o in outcomes.values()) else 0
+        return runner.Run(label, rc, outcomes, 0.0, str(build / "lmcache" / "__init__.py"))
+
+
+def cpu_run(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    script: dict[str, dict[str, list[str]]],
+    changed: str = "",
+) -> tuple[int, dict[str, object]]:
+    monkeypatch.setattr(runner, "run_pytest", FakeSuite(tmp_path, script).run_pytest)
+    (tmp_path / "known.txt").write_text("")
+    (tmp_path / "changed.txt").write_text(changed)
+    args = argparse.Namespace(
+        python="python", lmcache=tmp_path / "patched", pristine=tmp_path / "pristine",
+        work=tmp_path, wall_timeout=60, known_failures=tmp_path / "known.txt",
+        changed_by_series=tmp_path / "changed.txt", select=None, rate_rounds=5,
+    )  # fmt: skip
+    summary: dict[str, object] = {}
+    return runner.cpu_mode(args, ["tests"], summary), summary
+
+
+FLAKY = "tests/v1/test_x.py::test_flaky"
+SKIPS = "tests/v1/test_x.py::test_skips"
+
+
+def test_rerun_goes_on_after_a_skip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    suite = FakeSuite(tmp_path, {FLAKY: {"patched": ["skipped"], "pristine": ["passed"]}})
+    monkeypatch.setattr(runner, "run_pytest", suite.run_pytest)
+    history, _ = runner.rerun("python", tmp_path / "patched", tmp_path, "r", [FLAKY], 2, 60)
+    assert history == {FLAKY: ["skipped", "skipped"]}
+
+
+def test_a_flake_failing_more_often_than_on_pristine_fails_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 1st run, 1 rerun that passes, then rate rounds 2/5 failed; pristine never fails
+    patched = ["failed", "passed", "failed", "passed", "failed", "passed"]
+    rc, summary = cpu_run(
+        tmp_path, monkeypatch, {FLAKY: {"patched": patched, "pristine": ["passed"]}}
+    )
+    assert rc == 1
+    assert [r["id"] for r in summary["regressions"]] == [FLAKY]  # type: ignore[attr-defined]
+
+
+def test_a_rare_flake_also_seen_on_pristine_is_reported_not_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    patched = ["failed", "passed", "failed", "passed"]
+    pristine = ["failed", "passed"]
+    rc, summary = cpu_run(
+        tmp_path, monkeypatch, {FLAKY: {"patched": patched, "pristine": pristine}}
+    )
+    assert rc == 0
+    [flaky] = summary["flaky_on_patched"]  # type: ignore[misc]
+    assert flaky["rate_rounds"]["patched_not_passed"] == "1/5"
+    assert flaky["rate_rounds"]["pristine_not_passed"] == "1/5"
+
+
+def test_skipping_on_patched_while_passing_on_pristine_fails_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rc, summary = cpu_run(
+        tmp_path, monkeypatch, {SKIPS: {"patched": ["skipped"], "pristine": ["passed"]}}
+    )
+    assert rc == 1
+    assert summary["skipped_on_patched_passed_on_pristine"] == [SKIPS]
+
+
+def test_a_skip_the_series_causes_is_reported_as_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rc, summary = cpu_run(
+        tmp_path,
+        monkeypatch,
+        {SKIPS: {"patched": ["skipped"], "pristine": ["passed"]}},
+        changed=f"{SKIPS} | 0014: skips by design\n",
+    )
+    assert rc == 0
+    assert [r["id"] for r in summary["changed_by_series"]] == [SKIPS]  # type: ignore[attr-defined]
+
+
+def test_a_test_skipping_on_both_builds_is_fine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rc, _ = cpu_run(
+        tmp_path, monkeypatch, {SKIPS: {"patched": ["skipped"], "pristine": ["skipped"]}}
+    )
+    assert rc == 0
+
+
+def test_gpu_mode_compares_a_flake_with_pristine_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    patched = ["failed", "passed", "failed", "failed", "passed"]
+    suite = FakeSuite(tmp_path, {FLAKY: {"patched": patched, "pristine": ["passed"]}})
+    monkeypatch.setattr(runner, "run_pytest", suite.run_pytest)
+    monkeypatch.setattr(runner, "preflight", lambda python, build, work: "")
+    args = argparse.Namespace(
+        python="python", lmcache=tmp_path / "patched", pristine=tmp_path / "pristine",
+        work=tmp_path, wall_timeout=60, rate_rounds=5,
+    )  # fmt: skip
+    summary: dict[str, object] = {}
+    assert runner.gpu_mode(args, ["tests"], summary) == 1
+    assert summary["regressions"] == [FLAKY]

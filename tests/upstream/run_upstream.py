@@ -2,12 +2,18 @@
 """Run LMCache 0.5.3's own test suite against an installed lmcache build; compare with pristine.
 
 The sdist's tests/, pytest.ini and benchmarks/ (not its lmcache/) are extracted into WORKDIR and
-pytest runs there with PYTHONPATH=<--lmcache DIR>. Failures are rerun on the same build to
-separate flakes; what still fails is run against --pristine. A REGRESSION is a test that failed
-every time on the build under test and passed at least once on pristine.
+pytest runs there with PYTHONPATH=<--lmcache DIR>. Failures are rerun on the same build; what
+never passes is run against --pristine. A REGRESSION is either
+- a test that failed every time on the build under test and passed at least once on pristine, or
+- by failure rate: a test that failed, then passed at least once (flaky), or that skipped on the
+  build under test while passing on pristine (CPU mode), is run --rate-rounds more times on both
+  builds, round by round; it is a regression when its not-passed rate on the build under test
+  is at least RATE_GAP_PCT points above pristine's (10 rounds: 4/10 against 0/10, 5/10 against
+  1/10, ...). Skipped or missing counts as not passed, on either build.
 
-A test listed in changed_by_series.txt pins behaviour a patch deliberately changes: it must fail
-on the build and pass on pristine, and is reported as changed, not as a regression.
+A test listed in changed_by_series.txt pins behaviour a patch deliberately changes: it must be a
+regression by the rules above (fail, or skip, on the build where pristine passes), and is
+reported as changed instead.
 
 Exit status: 0 no regression; 1 regression; 2 stale entry in known_failures.txt or
 changed_by_series.txt;
@@ -32,6 +38,7 @@ import time
 import uuid
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -54,6 +61,11 @@ GPU_PATHS = (
     "tests/v1/gpu_connector",
 )
 BAD = ("failed", "error")
+# Equal failure rates of p = 0.1..0.5 on both builds give 10 rounds a gap of 40 points or more
+# in 0.5-6% of cases; 5 rounds and a gap of 2 (the first rule tried) did in 5-17%.
+RATE_ROUNDS = 10
+RATE_GAP_PCT = 40
+MIN_RATE_ROUNDS = 5
 TAG_VAR = "HYBRIDFA_UPSTREAM_RUN"
 GUARD_MODULE = "_hybridfa_upstream_guard"
 # pytest plugin written into WORKDIR: refuses to run unless `lmcache` resolves inside the
@@ -399,7 +411,8 @@ def check_run(run: Run, build: Path) -> None:
 def rerun(
     python: str, build: Path, work: Path, label: str, ids: list[str], times: int, wall: int
 ) -> tuple[dict[str, list[str]], list[Run]]:
-    """Rerun ids up to `times` times, dropping each id once it passes. -> id: outcomes."""
+    """Rerun ids up to `times` times, dropping each id once it passes (a skip is no pass).
+    -> id: outcomes."""
     history: dict[str, list[str]] = {i: [] for i in ids}
     runs: list[Run] = []
     pending = list(ids)
@@ -423,7 +436,7 @@ def rerun(
         for nid in pending:
             got = outcome_for(nid, run.outcomes)
             history[nid].append(got)
-            if got not in ("passed", "skipped"):
+            if got != "passed":
                 still.append(nid)
         pending = still
     return history, runs
@@ -493,7 +506,35 @@ def final_outcome(first: str, history: list[str]) -> str:
     """passed if it ever passed, else the first failing outcome."""
     if first not in BAD:
         return first
-    return "passed" if any(h in ("passed", "skipped") for h in history) else first
+    return "passed" if "passed" in history else first
+
+
+def not_passed(outcomes: list[str]) -> int:
+    return sum(1 for o in outcomes if o != "passed")
+
+
+def not_passed_rate(outcomes: list[str]) -> Fraction:
+    return Fraction(not_passed(outcomes), len(outcomes)) if outcomes else Fraction(0)
+
+
+def compare_rates(
+    ids: list[str], patched: dict[str, list[str]], pristine: dict[str, list[str]]
+) -> tuple[list[str], list[dict[str, object]]]:
+    """Rate rounds of both builds -> (regressions, one record per test). A regression's
+    not-passed rate on patched is at least RATE_GAP_PCT points above pristine's."""
+    regressions: list[str] = []
+    records: list[dict[str, object]] = []
+    for nid in ids:
+        ours, base = patched.get(nid, []), pristine.get(nid, [])
+        regression = not_passed_rate(ours) - not_passed_rate(base) >= Fraction(RATE_GAP_PCT, 100)
+        if regression:
+            regressions.append(nid)
+        records.append({
+            "id": nid, "regression": regression,
+            "patched": ours, "patched_not_passed": f"{not_passed(ours)}/{len(ours)}",
+            "pristine": base, "pristine_not_passed": f"{not_passed(base)}/{len(base)}",
+        })  # fmt: skip
+    return regressions, records
 
 
 # ---------------------------------------------------------------- modes
@@ -532,6 +573,29 @@ def compare_with_pristine(
     return pristine, confirm, runs
 
 
+def measure_rates(
+    args: argparse.Namespace, ids: list[str]
+) -> tuple[dict[str, list[str]], dict[str, list[str]], list[Run]]:
+    """Run ids once per round on each build, alternating which goes first, for
+    args.rate_rounds rounds: both builds see the same machine load. -> patched, pristine."""
+    patched: dict[str, list[str]] = {n: [] for n in ids}
+    pristine: dict[str, list[str]] = {n: [] for n in ids}
+    arms = [("patched", args.lmcache, patched), ("pristine", args.pristine, pristine)]
+    runs: list[Run] = []
+    for round_no in range(1, args.rate_rounds + 1):
+        if not ids:
+            break
+        for arm, build, history in arms if round_no % 2 else arms[::-1]:
+            hist, r = rerun(
+                args.python, build, args.work, f"rate-{arm}-{round_no}", ids, 1,
+                args.wall_timeout,
+            )  # fmt: skip
+            runs += r
+            for nid, outcomes in hist.items():
+                history[nid] += outcomes
+    return patched, pristine, runs
+
+
 def classify(
     persistent: list[str],
     pristine_hist: dict[str, list[str]],
@@ -545,7 +609,7 @@ def classify(
     for nid in persistent:
         if "passed" not in pristine_hist[nid]:
             pristine_fail.append(nid)
-        elif any(o in ("passed", "skipped") for o in confirm_hist.get(nid, [])):
+        elif "passed" in confirm_hist.get(nid, []):
             flaky.append(nid)  # passed on patched too, when run right after pristine
         else:
             regressions.append(nid)
@@ -575,13 +639,22 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     patched_hist, patched_runs = rerun(
         args.python, args.lmcache, args.work, "patched-rerun", failing, 2, args.wall_timeout
     )
-    flaky = sorted(n for n, h in patched_hist.items() if any(o in ("passed", "skipped") for o in h))
+    flaky = sorted(n for n, h in patched_hist.items() if "passed" in h)
     persistent = [n for n in failing if n not in flaky]
     pristine_hist, confirm_hist, pristine_runs = compare_with_pristine(args, persistent)
     for nid, hist in confirm_hist.items():
         patched_hist[nid].extend(hist)
     regressions, pristine_fail, confirmed_flaky = classify(persistent, pristine_hist, confirm_hist)
-    flaky = sorted(flaky + confirmed_flaky)
+    skipped = sorted(n for n, o in first.outcomes.items() if o == "skipped")
+    skip_hist, skip_runs = rerun(
+        args.python, args.pristine, args.work, "pristine-skipped", skipped, 1, args.wall_timeout
+    )
+    skip_only = sorted(n for n in skipped if "passed" in skip_hist[n])
+    rate_ids = sorted(flaky + confirmed_flaky + skip_only)
+    rate_patched, rate_pristine, rate_runs = measure_rates(args, rate_ids)
+    by_rate, rates = compare_rates(rate_ids, rate_patched, rate_pristine)
+    regressions = sorted(regressions + by_rate)
+    flaky = sorted(n for n in flaky + confirmed_flaky if n not in by_rate)
     unlisted = [n for n in pristine_fail if match_known(n, known) is None]
     flaky_unlisted = [n for n in flaky if match_known(n, known) is None]
     scope = targets if args.select else ["tests"]
@@ -602,19 +675,25 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
         "pristine (rerun of persistent failures)": tally(pristine_final),
     }
 
+    rate_of = {str(r["id"]): r for r in rates}
+
     def explain(nid: str) -> dict[str, object]:
         k = match_known(nid, known)
         return {
             "id": nid,
             "patched": [first.outcomes[nid], *patched_hist.get(nid, [])],
-            "pristine": pristine_hist.get(nid, []),
+            "pristine": pristine_hist.get(nid, skip_hist.get(nid, [])),
+            "rate_rounds": rate_of.get(nid),
             "known_reason": k.reason if k else None,
         }
 
     summary.update(
         mode="cpu",
         lmcache_imported=first.lmcache_file,
-        seconds={r.label: round(r.seconds, 1) for r in [first, *patched_runs, *pristine_runs]},
+        seconds={
+            r.label: round(r.seconds, 1)
+            for r in [first, *patched_runs, *pristine_runs, *skip_runs, *rate_runs]
+        },
         counts=columns,
         regressions=[explain(n) for n in regressions],
         changed_by_series=[explain(n) for n in changed_tests],
@@ -622,6 +701,8 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
         unlisted_pristine_failures=unlisted,
         flaky_on_patched=[explain(n) for n in flaky],
         flaky_unlisted=flaky_unlisted,
+        skipped_on_patched_passed_on_pristine=skip_only,
+        rate_rounds=rates,
         stale_known_failures=stale,
     )
     log("\n" + markdown(columns) + "\n")
@@ -630,7 +711,11 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
         log(f"fails on pristine too: {n}  [{k.reason if k else 'NOT LISTED'}]")
     for n in flaky:
         k = match_known(n, known)
-        log(f"flaky on patched (passed on rerun): {n}  [{k.reason if k else 'NOT LISTED'}]")
+        r = rate_of[n]
+        log(
+            f"flaky on patched (not passed {r['patched_not_passed']} rate rounds, pristine"
+            f" {r['pristine_not_passed']}): {n}  [{k.reason if k else 'NOT LISTED'}]"
+        )
     for n in unlisted:
         log(
             f"WARNING: {n} fails on patched AND pristine but is not in {args.known_failures.name}:"
@@ -642,7 +727,14 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     for p in stale:
         log(f"ERROR: stale entry (no collected test, or the test no longer fails): {p}")
     for n in regressions:
-        log(f"REGRESSION: {n} fails on the build under test every time, passes on pristine")
+        if n in rate_of:
+            r = rate_of[n]
+            log(
+                f"REGRESSION: {n} did not pass {r['patched_not_passed']} rate rounds on the build"
+                f" under test, {r['pristine_not_passed']} on pristine"
+            )
+        else:
+            log(f"REGRESSION: {n} fails on the build under test every time, passes on pristine")
     if regressions:
         return 1
     return 2 if stale else 0
@@ -651,6 +743,7 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
 def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, object]) -> int:
     builds = {"patched": args.lmcache, "pristine": args.pristine}
     finals: dict[str, dict[str, str]] = {}
+    firsts: dict[str, dict[str, str]] = {}
     columns: dict[str, dict[str, dict[str, int]]] = {}
     seconds: dict[str, float] = {}
     for label, build in builds.items():
@@ -664,12 +757,18 @@ def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
             args.python, build, args.work, f"gpu-{label}-rerun", failing, 1, args.wall_timeout
         )
         finals[label] = {n: final_outcome(o, hist.get(n, [])) for n, o in first.outcomes.items()}
+        firsts[label] = first.outcomes
         columns[f"{label} (1st run)"] = tally(first.outcomes)
         columns[f"{label} (after rerun)"] = tally(finals[label])
         seconds.update({r.label: round(r.seconds, 1) for r in [first, *runs]})
     patched, pristine = finals["patched"], finals["pristine"]
     on_pristine = {n: outcome_for(n, pristine) for n in patched}
     regressions = sorted(n for n, o in patched.items() if o in BAD and on_pristine[n] == "passed")
+    flaky = sorted(n for n, o in firsts["patched"].items() if o in BAD and patched[n] == "passed")
+    rate_patched, rate_pristine, rate_runs = measure_rates(args, flaky)
+    by_rate, rates = compare_rates(flaky, rate_patched, rate_pristine)
+    seconds.update({r.label: round(r.seconds, 1) for r in rate_runs})
+    regressions = sorted(regressions + by_rate)
     both = sorted(n for n, o in patched.items() if o in BAD and on_pristine[n] in BAD)
     only_skipped = sorted(
         n for n, o in patched.items() if o == "skipped" and on_pristine[n] == "passed"
@@ -677,14 +776,21 @@ def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     summary.update(
         mode="gpu", seconds=seconds, counts=columns, regressions=regressions,
         fails_on_pristine_too=both, skipped_on_patched_passed_on_pristine=only_skipped,
+        rate_rounds=rates,
     )  # fmt: skip
     log("\n" + markdown(columns) + "\n")
     for n in both:
         log(f"fails on pristine too: {n}")
     for n in only_skipped:
         log(f"WARNING: skipped on patched but passes on pristine: {n}")
+    for r in rates:
+        log(
+            f"{'REGRESSION' if r['regression'] else 'flaky on patched'}: {r['id']} not passed"
+            f" {r['patched_not_passed']} rate rounds, pristine {r['pristine_not_passed']}"
+        )
     for n in regressions:
-        log(f"REGRESSION: {n} fails on the build under test, passes on pristine")
+        if n not in by_rate:
+            log(f"REGRESSION: {n} fails on the build under test, passes on pristine")
     return 1 if regressions else 0
 
 
@@ -701,7 +807,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--known-failures", type=Path, default=KNOWN_FAILURES)
     ap.add_argument("--changed-by-series", type=Path, default=CHANGED_BY_SERIES)
     ap.add_argument("--wall-timeout", type=int, default=3600, help="seconds per pytest run")
+    ap.add_argument(
+        "--rate-rounds", type=int, default=RATE_ROUNDS,
+        help=f"runs per build of each flaky test (>= {MIN_RATE_ROUNDS}; default {RATE_ROUNDS})",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.rate_rounds < MIN_RATE_ROUNDS:
+        ap.error(f"--rate-rounds must be at least {MIN_RATE_ROUNDS}")
     args.python = shutil.which(args.python) or args.python
     args.lmcache, args.pristine, args.work = (
         p.resolve() for p in (args.lmcache, args.pristine, args.work)
