@@ -13,7 +13,7 @@
             and GDN bytes must equal the storing engine's (gate.compare_kv_hashes);
             tokens and logprobs must equal the cold run's.
 
-Patched (patch 0006) gives up on a dead server about two heartbeats after it went silent;
+Patched (patch 0010) gives up on a dead server about two heartbeats after it went silent;
 pristine 0.5.3 blocks the scheduler's lookup for ``lmcache.mp.mq_timeout`` (``--mq-timeout-s``
 here), so its further request misses the bound.
 

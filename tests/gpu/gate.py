@@ -961,7 +961,7 @@ def markdown_report(report: dict[str, Any]) -> str:
 
 
 def expected_separate_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
-    """Bytes of one chunk with --separate-object-groups (patch 0010): the FA object of the
+    """Bytes of one chunk with --separate-object-groups (patch 0013): the FA object of the
     whole chunk plus a GDN object holding the chunk's last block only."""
     n = expected_geometry(m, tp).block_size
     per_layer_block = n * attn_bytes_per_token(m, tp)
@@ -977,7 +977,7 @@ def object_group_means(inventory: dict[str, Any]) -> dict[str, float]:
 
 def chunk_bytes_of(inventory: dict[str, Any]) -> float | None:
     """L2 bytes of one chunk from an ``l2_inventory``: the mean object size, summed over
-    object groups when FA and GDN objects are written apart (patch 0010's option)."""
+    object groups when FA and GDN objects are written apart (patch 0013's option)."""
     means = object_group_means(inventory)
     if len(means) > 1:
         return sum(means.values())
@@ -1053,7 +1053,7 @@ def pristine_shows_the_bug(ev: dict[str, Any]) -> tuple[bool, str]:
     if ev.get("bytes_match") is None:
         return False, (
             "pristine restored nothing (no external hit), so (a) was never exercised; "
-            "under HND pristine's stores crash: run the pristine + 0005 arm"
+            "under HND pristine's stores crash: run the pristine + 0008 arm"
         )
     return False, "pristine restored identical KV bytes: the gate cannot see the bug"
 
@@ -1178,7 +1178,7 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
         "",
         "## Bytes per L2 chunk object",
         "",
-        "Patched objects carry patch 0004's 40-byte trailer; pristine moves 1 FA kernel page "
+        "Patched objects carry patch 0006's 40-byte trailer; pristine moves 1 FA kernel page "
         "of r per block (HND pristine cases store nothing)."
         + (
             " A patched chunk is two objects, each with a trailer: "

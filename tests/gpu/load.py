@@ -21,7 +21,7 @@ hashes computed for it, per layer; it is built in the first phase and grows with
 first computed later. A restored block whose hash for a layer is not among the computed
 ones is a mismatch. Lost objects: a ``.data`` file present after a phase's kill that is
 missing or has another size after the next phase, or whose integrity trailer (magic +
-blake3, patch 0004) does not verify at the end.
+blake3, patch 0006) does not verify at the end.
 
 Usage on the GPU node (fits one 10-minute call with --duration 420 on a warm node)::
 
@@ -59,7 +59,7 @@ if str(HERE) not in sys.path:
 import gate  # noqa: E402  (stdlib only: the gate's model configs and process helpers)
 
 SCHEMA = "hybridfa-gpu-load/1"
-TRAILER_MAGIC = b"LMCHFA1\x00"  # fs_l2_adapter.py (patch 0004): magic + blake3 digest
+TRAILER_MAGIC = b"LMCHFA1\x00"  # fs_l2_adapter.py (patch 0006): magic + blake3 digest
 TRAILER_LEN = len(TRAILER_MAGIC) + 32
 
 

@@ -1,4 +1,4 @@
-"""A restore reads GDN state for its last hit chunk only (patch 0010).
+"""A restore reads GDN state for its last hit chunk only (patch 0013; read locks: 0012).
 
 With ``--separate-object-groups`` a recurrent (Mamba/GDN) group is stored as its own
 object group with a window of one block, so a restore after a restart reads the FA
