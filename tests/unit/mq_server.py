@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import zmq
@@ -31,3 +32,53 @@ def serve(
     server.add_normal_thread_pool(list(blocking), max_workers=4)
     server.start()
     return server
+
+
+class ControlServer:
+    """LMCache's MessageQueueServer answering what a worker adapter asks outside transfers."""
+
+    def __init__(self, url: str, ctx: zmq.Context, chunk: int) -> None:
+        def get_chunk_size() -> int:
+            return chunk
+
+        def get_experimental() -> list[str]:
+            return []
+
+        def ping(instance_id: int | None) -> bool:
+            return True
+
+        def unregister(instance_id: int) -> None:
+            return None
+
+        handlers = {
+            RequestType.GET_CHUNK_SIZE: get_chunk_size,
+            RequestType.GET_EXPERIMENTAL: get_experimental,
+            RequestType.PING: ping,
+            RequestType.UNREGISTER_KV_CACHE: unregister,
+        }
+        self.server = serve(url, ctx, handlers, [RequestType.PING])
+
+
+@contextmanager
+def worker_adapter(chunk: int, block: int) -> Iterator[Any]:
+    """LMCache's real LMCacheMPWorkerAdapter against a ControlServer; set its transfer_ctx."""
+    from lmcache.integration.vllm.vllm_multi_process_adapter import (
+        LMCacheMPWorkerAdapter,
+        ParallelStrategy,
+    )
+
+    url = free_url()
+    ctx = zmq.Context()
+    ctx.linger = 0
+    server = ControlServer(url, ctx, chunk)
+    strategy = ParallelStrategy(
+        mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1, pp_size=1, n_servers=1
+    )
+    worker = LMCacheMPWorkerAdapter(url, ctx, "stub-model", block, strategy, mq_timeout=5.0)
+    try:
+        yield worker
+    finally:
+        worker.transfer_ctx = None
+        worker.shutdown()
+        server.server.close()
+        ctx.destroy(linger=0)

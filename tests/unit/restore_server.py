@@ -127,11 +127,12 @@ class RealServer:
         if self.closed:
             return
         self.closed = True
+        self.lookup_module.close()
         self.transfer.close()
         self.ctx.close()
 
 
-def _storage_config(l2_dir: Path, l2_adapter: str = "fs") -> Any:
+def _storage_config(l2_dir: Path, l2_adapter: str = "fs", read_ttl_seconds: int = 300) -> Any:
     from lmcache.v1.distributed.config import (
         EvictionConfig,
         L1ManagerConfig,
@@ -144,7 +145,7 @@ def _storage_config(l2_dir: Path, l2_adapter: str = "fs") -> Any:
         size_in_bytes=64 << 20, use_lazy=False, init_size_in_bytes=64 << 20, shm_name=""
     )
     return StorageManagerConfig(
-        l1_manager_config=L1ManagerConfig(memory_config=memory),
+        l1_manager_config=L1ManagerConfig(memory_config=memory, read_ttl_seconds=read_ttl_seconds),
         eviction_config=EvictionConfig(eviction_policy="LRU"),
         l2_adapter_config=L2AdaptersConfig([_l2_adapter_config(l2_dir, l2_adapter)]),
     )
@@ -178,9 +179,17 @@ class ServerFactory:
         separate: bool,
         pristine_client: bool = False,
         l2_adapter: str = "fs",
+        read_ttl_seconds: int = 300,
     ) -> RealServer:
         server = start_real_server(
-            kv, chunk_size, l2_dir, separate, self._monkeypatch, pristine_client, l2_adapter
+            kv,
+            chunk_size,
+            l2_dir,
+            separate,
+            self._monkeypatch,
+            pristine_client,
+            l2_adapter,
+            read_ttl_seconds,
         )
         self._started.append(server)
         return server
@@ -198,6 +207,7 @@ def start_real_server(
     monkeypatch: pytest.MonkeyPatch,
     pristine_client: bool = False,
     l2_adapter: str = "fs",
+    read_ttl_seconds: int = 300,
 ) -> RealServer:
     """Start a server on ``l2_dir`` and register ``kv`` as LMCacheMPConnector does;
     with ``pristine_client``, with the group infos a pristine 0.5.3 client sends."""
@@ -229,7 +239,7 @@ def start_real_server(
 
     l2_dir.mkdir(parents=True, exist_ok=True)
     ctx = MPCacheServerContext(
-        _storage_config(l2_dir, l2_adapter),
+        _storage_config(l2_dir, l2_adapter, read_ttl_seconds),
         chunk_size=chunk_size,
         separate_object_groups=separate_object_groups,
     )

@@ -17,39 +17,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import zmq
-from mq_server import free_url, serve
+from mq_server import worker_adapter
 
 from lmcache.v1.multiprocess.futures import MessagingFuture
-from lmcache.v1.multiprocess.protocol import RequestType
 
 CHUNK = 16
 BLOCK = 16
-
-
-class ControlServer:
-    """LMCache's MessageQueueServer answering what a worker adapter asks outside transfers."""
-
-    def __init__(self, url: str, ctx: zmq.Context) -> None:
-        def get_chunk_size() -> int:
-            return CHUNK
-
-        def get_experimental() -> list[str]:
-            return []
-
-        def ping(instance_id: int | None) -> bool:
-            return True
-
-        def unregister(instance_id: int) -> None:
-            return None
-
-        handlers = {
-            RequestType.GET_CHUNK_SIZE: get_chunk_size,
-            RequestType.GET_EXPERIMENTAL: get_experimental,
-            RequestType.PING: ping,
-            RequestType.UNREGISTER_KV_CACHE: unregister,
-        }
-        self.server = serve(url, ctx, handlers, [RequestType.PING])
 
 
 class FailingRetrieves:
@@ -75,26 +48,8 @@ class RaisingFuture(MessagingFuture[Any]):
 
 @pytest.fixture
 def adapter() -> Iterator[Any]:
-    from lmcache.integration.vllm.vllm_multi_process_adapter import (
-        LMCacheMPWorkerAdapter,
-        ParallelStrategy,
-    )
-
-    url = free_url()
-    ctx = zmq.Context()
-    ctx.linger = 0
-    server = ControlServer(url, ctx)
-    strategy = ParallelStrategy(
-        mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1, pp_size=1, n_servers=1
-    )
-    worker = LMCacheMPWorkerAdapter(url, ctx, "stub-model", BLOCK, strategy, mq_timeout=5.0)
-    try:
+    with worker_adapter(CHUNK, BLOCK) as worker:
         yield worker
-    finally:
-        worker.transfer_ctx = None
-        worker.shutdown()
-        server.server.close()
-        ctx.destroy(linger=0)
 
 
 def _retrieve(worker: Any, request_id: str, block_ids: list[int]) -> None:

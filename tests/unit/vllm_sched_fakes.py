@@ -138,6 +138,15 @@ def _fake_vllm_config(max_num_batched_tokens: int, mamba: bool) -> Any:
     )
 
 
+def make_worker_connector(
+    kv_cache_config: KVCacheConfig, worker_adapter: Any, monkeypatch: pytest.MonkeyPatch
+) -> Any:
+    """The real worker-side LMCacheMPConnector (real __init__) over ``worker_adapter``."""
+    monkeypatch.setattr(mpc, "LMCacheMPWorkerAdapter", lambda **_: worker_adapter)
+    vllm_config = _fake_vllm_config(BLOCK, kv_cache_config.has_mamba_layers)
+    return mpc.LMCacheMPConnector(vllm_config, mpc.KVConnectorRole.WORKER, kv_cache_config)
+
+
 def make_connector(
     kv_cache_config: KVCacheConfig,
     chunk: int,
@@ -161,6 +170,7 @@ class StepResult:
 
     stores: list[Any] = field(default_factory=list)  # LoadStoreOp, direction STORE
     retrieves: list[Any] = field(default_factory=list)  # LoadStoreOp, direction RETRIEVE
+    metadata: Any = None  # the LMCacheMPConnectorMetadata a worker receives
 
 
 class SchedDriver:
@@ -266,7 +276,7 @@ class SchedDriver:
             preempted_req_ids=set(),
         )
         metadata = self.connector.build_connector_meta(output)
-        result = StepResult()
+        result = StepResult(metadata=metadata)
         for req_meta in metadata.requests:
             ops = result.stores if req_meta.direction == "STORE" else result.retrieves
             ops.append(req_meta.op)
