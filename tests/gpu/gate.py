@@ -1053,7 +1053,7 @@ def pristine_shows_the_bug(ev: dict[str, Any]) -> tuple[bool, str]:
     if ev.get("bytes_match") is None:
         return False, (
             "pristine restored nothing (no external hit), so (a) was never exercised; "
-            "under HND pristine's stores crash: run the pristine + 0008 arm"
+            "under HND pristine's stores crash: run the pristine-hnd arm"
         )
     return False, "pristine restored identical KV bytes: the gate cannot see the bug"
 
@@ -1749,7 +1749,7 @@ print("GATE-ENV " + json.dumps(out))
     return {"versions": versions, "hardware": hardware, "server_args": extra_server_args()}
 
 
-ARMS = ("patched", "pristine", "pristine-0005")
+ARMS = ("patched", "pristine", "pristine-hnd")
 
 
 def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | None:
@@ -2005,7 +2005,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--arm",
         choices=ARMS,
-        help="patched; pristine; pristine-0005: pristine with only the series' HND patch "
+        help="patched; pristine; pristine-hnd: pristine with only the series' HND patch "
         "(pristine's HND stores crash, so this arm shows that (a) bites under HND)",
     )
     ap.add_argument(
