@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis_server import redis  # noqa: F401 - the fixture
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,9 @@ from hybrid_kv import (
 
 MODEL = "hybrid"
 TIMEOUT_S = 10.0
+# Servers (nodes) share one process: a stream callback runs on the server whose cache
+# context owns the stream.
+_STREAM_OWNERS: dict[int, Any] = {}
 
 
 @dataclass
@@ -53,6 +57,8 @@ class RealServer:
     engine_group_infos: list[Any]
     l2_dir: Path
     reads: DiskReads
+    l2_objects: Callable[[], int]  # objects in the L2 tier (all nodes')
+    kv: HybridKV  # the engine's KV tensors it serves
     closed: bool = False
 
     def key(self, tokens: list[int], start: int, end: int, request: str, worker: int | None):
@@ -112,15 +118,15 @@ class RealServer:
         objects = self.ctx.storage_manager._l1_manager._objects  # noqa: SLF001
         return [k in objects and objects[k].read_lock.is_locked() for k in keys]
 
-    def wait_l2_files(self, count: int) -> None:
+    def wait_l2_objects(self, count: int) -> None:
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline:
-            if len(list(self.l2_dir.glob("*.data"))) >= count:
-                time.sleep(0.1)  # let the adapter finish the last file
+            if self.l2_objects() >= count:
+                time.sleep(0.1)  # let the adapter finish the last object
                 return
             time.sleep(0.02)
-        found = len(list(self.l2_dir.glob("*.data")))
-        raise RuntimeError(f"{found} of {count} objects reached the fs L2 in {TIMEOUT_S}s")
+        found = self.l2_objects()
+        raise RuntimeError(f"{found} of {count} objects reached the L2 tier in {TIMEOUT_S}s")
 
     def close(self) -> None:
         """Stop the server (a restart, when a new one opens the same folder)."""
@@ -132,7 +138,12 @@ class RealServer:
         self.ctx.close()
 
 
-def _storage_config(l2_dir: Path, l2_adapter: str = "fs", read_ttl_seconds: int = 300) -> Any:
+def _storage_config(
+    l2_dir: Path,
+    l2_adapter: str = "fs",
+    resp_port: int | None = None,
+    read_ttl_seconds: int = 300,
+) -> Any:
     from lmcache.v1.distributed.config import (
         EvictionConfig,
         L1ManagerConfig,
@@ -147,12 +158,19 @@ def _storage_config(l2_dir: Path, l2_adapter: str = "fs", read_ttl_seconds: int 
     return StorageManagerConfig(
         l1_manager_config=L1ManagerConfig(memory_config=memory, read_ttl_seconds=read_ttl_seconds),
         eviction_config=EvictionConfig(eviction_policy="LRU"),
-        l2_adapter_config=L2AdaptersConfig([_l2_adapter_config(l2_dir, l2_adapter)]),
+        l2_adapter_config=L2AdaptersConfig([_l2_adapter_config(l2_dir, l2_adapter, resp_port)]),
     )
 
 
-def _l2_adapter_config(l2_dir: Path, l2_adapter: str) -> Any:
-    """LMCache's config of the ``fs`` (Python) or ``fs_native`` (C++) adapter on l2_dir."""
+def _l2_adapter_config(l2_dir: Path, l2_adapter: str, resp_port: int | None) -> Any:
+    """LMCache's config of the ``fs`` (Python) or ``fs_native`` (C++) adapter on l2_dir,
+    or of the ``resp`` adapter (C++ Redis client) on redis at 127.0.0.1:resp_port."""
+    if l2_adapter == "resp":
+        from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
+
+        if resp_port is None:
+            raise ValueError("the resp adapter needs ServerFactory.resp_port (a redis-server)")
+        return RESPL2AdapterConfig(host="127.0.0.1", port=resp_port, num_workers=2)
     if l2_adapter == "fs_native":
         from lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter import (
             FSNativeL2AdapterConfig,
@@ -170,6 +188,7 @@ class ServerFactory:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self._monkeypatch = monkeypatch
         self._started: list[RealServer] = []
+        self.resp_port: int | None = None  # the redis-server of l2_adapter="resp"
 
     def __call__(
         self,
@@ -189,6 +208,7 @@ class ServerFactory:
             self._monkeypatch,
             pristine_client,
             l2_adapter,
+            self.resp_port,
             read_ttl_seconds,
         )
         self._started.append(server)
@@ -207,10 +227,12 @@ def start_real_server(
     monkeypatch: pytest.MonkeyPatch,
     pristine_client: bool = False,
     l2_adapter: str = "fs",
+    resp_port: int | None = None,
     read_ttl_seconds: int = 300,
 ) -> RealServer:
-    """Start a server on ``l2_dir`` and register ``kv`` as LMCacheMPConnector does;
-    with ``pristine_client``, with the group infos a pristine 0.5.3 client sends."""
+    """Start a server on ``l2_dir`` (or, for ``resp``, on redis at ``resp_port``) and
+    register ``kv`` as LMCacheMPConnector does; with ``pristine_client``, with the group
+    infos a pristine 0.5.3 client sends."""
     import msgspec
 
     from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
@@ -239,13 +261,13 @@ def start_real_server(
 
     l2_dir.mkdir(parents=True, exist_ok=True)
     ctx = MPCacheServerContext(
-        _storage_config(l2_dir, l2_adapter, read_ttl_seconds),
+        _storage_config(l2_dir, l2_adapter, resp_port, read_ttl_seconds),
         chunk_size=chunk_size,
         separate_object_groups=separate_object_groups,
     )
 
     def run_now(stream: Any, kind: str, keys: list[Any]) -> None:
-        getattr(ctx.storage_manager, kind)(keys)
+        getattr(_STREAM_OWNERS[id(stream)].storage_manager, kind)(keys)
 
     monkeypatch.setattr(transfer, "submit_callback_to_stream", run_now)
 
@@ -266,8 +288,24 @@ def start_real_server(
     module = transfer.LMCacheDrivenTransferModule(ctx)
     wrappers = [_Wrapper(t) for t in edited.values()]
     module.register_kv_cache(1, wrappers, MODEL, 1, EngineType.VLLM, hints, wire)
-    return RealServer(ctx, LookupModule(ctx), module, wire, l2_dir, reads)
+    for entry in module._cache_contexts.values():  # noqa: SLF001
+        _STREAM_OWNERS[id(entry.cache_context.cupy_stream)] = ctx
+    return RealServer(
+        ctx, LookupModule(ctx), module, wire, l2_dir, reads, _l2_counter(l2_dir, resp_port), kv
+    )
 
+
+def _l2_counter(l2_dir: Path, resp_port: int | None) -> Callable[[], int]:
+    """Counts the objects of the L2 tier: complete files in the folder, or redis keys."""
+    if resp_port is None:
+        return lambda: len(list(l2_dir.glob("*.data")))
+    from redis_server import RespClient
+
+    def dbsize() -> int:
+        with RespClient(resp_port) as client:
+            return int(client.command("DBSIZE"))
+
+    return dbsize
 
 
 # ---------------------------------------------------------------------------------------
@@ -287,7 +325,7 @@ class Setup:
     separate: bool = False  # lmcache server --separate-object-groups
     gdn: GDNState = GDNState()
     pristine_client: bool = False  # the group infos a pristine 0.5.3 client sends
-    l2_adapter: str = "fs"  # or fs_native
+    l2_adapter: str = "fs"  # or fs_native, or resp (on ServerFactory.resp_port)
 
     def but(self, **changes: Any) -> Setup:
         return dataclasses.replace(self, **changes)
@@ -304,8 +342,8 @@ class Setup:
 BASE = Setup()
 
 
-def tokens() -> list[int]:
-    return list(range(1000, 1000 + BLOCKS * N + 1))
+def tokens(first: int = 1000) -> list[int]:
+    return list(range(first, first + BLOCKS * N + 1))
 
 
 def store_ids(chunk: int = N, nulled: bool = False) -> list[list[int]]:
@@ -332,11 +370,11 @@ def store(
     kv = build_hybrid_kv(N, setup.page, setup.layout, NUM_BLOCKS, seed=0, gdn=setup.gdn)
     server = real_servers(kv, setup.chunk, l2, **setup.server_args)
     stored = server.store("store", tokens(), ids or store_ids())
-    if setup.l2_adapter != "fs":
+    if setup.l2_adapter == "fs_native":
         time.sleep(1.0)  # fs_native writes in its own threads: let them finish
     elif stored or not setup.pristine_client:
         assert stored
-        server.wait_l2_files(BLOCKS * N // setup.chunk * server.num_object_groups)
+        server.wait_l2_objects(BLOCKS * N // setup.chunk * server.num_object_groups)
     server.close()
     return kv
 
@@ -354,9 +392,24 @@ def restored_blocks(
     l2 = tmp_path / "l2"
     stored = stored or store_ids()
     src = store(real_servers, l2, a, stored)
+    return restore_compared(real_servers, l2, b, src, stored)
+
+
+def restore_compared(
+    real_servers: ServerFactory,
+    l2: Path,
+    b: Setup,
+    src: HybridKV,
+    stored: list[list[int]] | None = None,
+    prompt: list[int] | None = None,
+) -> int:
+    """Start a server under ``b`` on ``l2`` (a node with an empty L1), restore what its
+    lookup of ``prompt`` hits and compare it with the blocks ``stored`` from ``src``: the
+    blocks restored (0 for a miss); a restored byte that differs fails here."""
+    stored = stored or store_ids()
     kv = build_hybrid_kv(N, b.page, b.layout, NUM_BLOCKS, seed=1, gdn=b.gdn)
     server = real_servers(kv, b.chunk, l2, **b.server_args)
-    prompt = tokens()
+    prompt = prompt or tokens()
     hit = server.lookup("restore", prompt[:-1])
     if hit == 0:
         return 0

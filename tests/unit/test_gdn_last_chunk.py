@@ -78,7 +78,7 @@ def stored(
     server = real_servers(kv, chunk, l2, separate)
     tokens = prompt(NUM_CHUNKS * chunk + 1)
     assert server.store("store", tokens, store_ids(NUM_CHUNKS * chunk // N))
-    server.wait_l2_files(NUM_CHUNKS * server.num_object_groups)
+    server.wait_l2_objects(NUM_CHUNKS * server.num_object_groups)
     server.close()
     return kv
 
@@ -263,7 +263,7 @@ def test_l1_window_lock_is_released_when_l2_extends_the_hit(real_servers, tmp_pa
     server = real_servers(kv, N, l2, True)
     tokens = prompt(NUM_CHUNKS * N + 1)
     assert server.store("store", tokens, store_ids(NUM_CHUNKS))
-    server.wait_l2_files(NUM_CHUNKS * server.num_object_groups)
+    server.wait_l2_objects(NUM_CHUNKS * server.num_object_groups)
     groups = server.object_keys(tokens, NUM_CHUNKS)
     deleted, _ = server.ctx.storage_manager.delete_l1_keys([g[-1] for g in groups], force=True)
     assert deleted == 2

@@ -42,7 +42,7 @@ def _looked_up(real_servers: ServerFactory, tmp_path: Path) -> tuple[Any, RealSe
     server = real_servers(kv, N, tmp_path / "l2", separate=False, read_ttl_seconds=TTL_S)
     assert server.store("store", tokens(), store_ids())
     # The L2 writes read-lock what they copy: let them finish first.
-    server.wait_l2_files(BLOCKS * server.num_object_groups)
+    server.wait_l2_objects(BLOCKS * server.num_object_groups)
     hit = server.lookup("restore", tokens()[:-1])
     assert hit > 0
     return kv, server, hit
