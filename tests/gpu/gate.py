@@ -1172,7 +1172,7 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# Processes (node side)
+# Processes
 # ---------------------------------------------------------------------------------------
 
 
@@ -1210,8 +1210,8 @@ def child_env(lmcache_dir: Path | None, layout: str | None) -> dict[str, str]:
     return env
 
 
-# Process groups we started and have not reaped: killed on SIGTERM (``timeout`` on the
-# node), since start_new_session keeps them out of our own group.
+# Process groups we started and have not reaped: killed on SIGTERM or SIGINT, since
+# start_new_session keeps them out of our own group.
 LIVE_GROUPS: set[int] = set()
 
 
@@ -1829,9 +1829,13 @@ def run_matrix(
             if on_progress:
                 on_progress(rec)
 
-    with ThreadPoolExecutor(max_workers=max(1, rc.jobs)) as pool:
-        for fut in [pool.submit(one, c) for c in cases]:
-            fut.result()
+    if rc.jobs <= 1:
+        for case in cases:
+            one(case)
+    else:
+        with ThreadPoolExecutor(max_workers=rc.jobs) as pool:
+            for fut in [pool.submit(one, c) for c in cases]:
+                fut.result()
     report["json_path"] = f"{stem}.json"
     report["md_path"] = f"{stem}.md"
     return report

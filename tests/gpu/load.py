@@ -805,7 +805,7 @@ def _first_record(
 
 def shift_deadlines(spec: dict[str, Any], ready_epoch: float) -> float:
     """Move a phase's deadlines later when the engine got ready too late to admit load
-    for ``min_load_s`` before ``load_window_end_epoch`` (its first start on a fresh node
+    for ``min_load_s`` before ``load_window_end_epoch`` (its first start on a fresh box
     pays the JIT); returns the shift in seconds (0 when it was ready in time)."""
     window_end = float(spec["load_window_end_epoch"])
     shift = max(0.0, ready_epoch + float(spec.get("min_load_s", 0.0)) - window_end)
@@ -834,7 +834,7 @@ class LoadConfig:
     duration: float = 600.0
     restart_every: float = 140.0
     min_phase_s: float = 75.0
-    # A phase's engine that is ready late (FlashInfer JIT on a fresh node took 150 s) still
+    # A phase's engine that is ready late (FlashInfer JIT on a fresh box took 150 s) still
     # admits load for min_load_s: its deadlines move later, and the parent waits up to
     # start_allowance_s longer for it.
     min_load_s: float = 45.0
