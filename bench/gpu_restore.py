@@ -1058,11 +1058,12 @@ def run_step(step: Step, node: Node, disk_gib: float) -> dict[str, Any]:
 def run_steps(
     steps: Sequence[Step], node: Node, results_path: Path, disk_gib: float = 4.0
 ) -> dict[str, Any]:
-    """Run every step in order; ``results_path`` (and a .md beside it) is rewritten after
-    each one."""
+    """Run every step in order and add its record to ``results_path`` (read if present, so
+    that the patched and the pristine arm share one file); the file and a .md beside it are
+    rewritten after each step."""
     t0 = time.monotonic()
     node.work.mkdir(parents=True, exist_ok=True)
-    results = load_results(Path("/nonexistent"))
+    results = load_results(results_path)
     envinfo = gate.collect_environment(node.python, node.lmcache_dir)
     run: dict[str, Any] = {
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
@@ -1212,7 +1213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--results",
         type=Path,
         default=REPO / "results" / f"bench-gpu-{_dt.date.today().isoformat()}.json",
-        help="results JSON, written after every step (a .md beside it)",
+        help="results JSON, read if present and updated after every step (a .md beside it)",
     )
     ap.add_argument("--steps", default="default", help="default | comma-separated ids/regexes")
     ap.add_argument("--plain-cold", action="store_true", help="add cold runs without LMCache")

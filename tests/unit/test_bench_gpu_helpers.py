@@ -358,3 +358,17 @@ def test_a_copy_rate_is_reported_only_when_it_covers_the_restore() -> None:
     assert bench.timed_copy_gbps(both, "retrieve", 26400) == 33.5
     assert bench.timed_copy_gbps(None, "retrieve", 26400) is None
     assert bench.timed_copy_gbps(both, "retrieve", None) is None
+
+
+def test_both_arms_add_their_records_to_one_results_file(tmp_path: Path, monkeypatch) -> None:
+    env = {"versions": {}, "hardware": {}, "server_args": []}
+    monkeypatch.setattr(gate, "collect_environment", lambda py, d: env)
+    monkeypatch.setattr(gate, "arm_problem", lambda arm, v, d: None)
+    monkeypatch.setattr(bench, "run_step", lambda s, node, gib: {"ok": True})
+    path = tmp_path / "bench-gpu-x.json"
+    for arm in ("patched", "pristine"):
+        node = bench.Node(arm=arm, lmcache_dir=tmp_path, work=tmp_path / "w")
+        bench.run_steps(bench.default_steps(arm)[:1], node, path)
+    res = bench.load_results(path)
+    assert [r["arm"] for r in res["runs"]] == ["patched", "pristine"]
+    assert set(res["records"]) == {"pinned", "bytes:qwen35-r17:FLASHINFER:pristine:8192"}
