@@ -1744,8 +1744,8 @@ def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | 
 
 
 class ColdRuns:
-    """Cold (no connector) results by ``cold_key``: cold runs do not depend on the arm or
-    the chunk, so cases that share a key run one cold engine. A second asker of a key waits
+    """Cold (no connector) results by ``cold_key``: a cold run does not depend on the
+    chunk, so cases that share a key run one cold engine. A second asker of a key waits
     for the run in progress instead of starting its own engine; a failed run is not kept."""
 
     def __init__(self) -> None:
