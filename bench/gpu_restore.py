@@ -22,12 +22,12 @@ Steps (one record each in the results JSON, keyed by id ``kind:model:backend:arm
 - ``cold``    optional (--plain-cold): the same request on an engine without LMCache;
 - ``bytes``   pristine arm: store only, L2 object size per chunk.
 
-Node (one call at most 10 min; rerun the same command until ``remaining: 0``)::
+Usage on any CUDA box::
 
     python3 bench/gpu_restore.py --arm patched --lmcache-dir /tmp/lmc-patched \\
-        --results results/bench-gpu-DATE.json --out out/ --max-seconds 500
+        --results results/bench-gpu-DATE.json
 
-Here (CPU): ``--plan``, ``--report FILE`` and ``--plot-from FILE`` (needs matplotlib).
+Without a GPU: ``--report FILE`` and ``--plot-from FILE`` (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -85,35 +85,12 @@ FA_LENGTHS = (26624, 131072)
 BACKENDS = ("FLASHINFER", "FLASH_ATTN")
 MAX_POSITIONS = 262144
 GPU_MEMORY_UTILIZATION = {"qwen35-r17": 0.30, "qwen35-9b": 0.45}
-H200_GIB = 139.0
-
 TARGETS = {
     "ttft_speedup_26k": 10.0,
     "ttft_speedup_128k": 20.0,
     "retrieve_vs_flash_attn": 0.8,
     "retrieve_vs_pinned_h2d": 0.5,
 }
-
-# --plan / --max-seconds cost model (seconds); from the gate runs on 2026-11-29.
-COST = {
-    "call_overhead": 15.0,
-    "jit_first_engine": 200.0,  # FlashInfer JIT on a fresh node
-    "new_shape": 35.0,  # Triton autotuning of the GDN kernels, per model shape
-    "engine_start": 40.0,
-    "engine_start_big": 20.0,  # extra for the 9B-class model (14 GB dummy weights, profile)
-    "engine_teardown": 8.0,
-    "server_start": 6.0,
-    "server_start_per_gb_l1": 0.25,
-    "step_ms": 12.0,
-    "step_ms_big": 30.0,
-    "ctx_ms_per_k_big": 0.1,  # attention cost per prefill step per 1k tokens of context
-    "store_gbps": 1.0,  # L1 -> L2 files
-    "restore_gbps": 2.0,
-    "pinned": 25.0,
-    "disk_per_gib": 3.0,
-}
-CALL_BUDGET_S = 540.0
-
 
 # ---------------------------------------------------------------------------------------
 # Geometry and byte accounting (pure)
@@ -160,57 +137,13 @@ def chunk_bytes(
     return {"fa": fa, "gdn": gdn, "total": fa + gdn}
 
 
-def weight_bytes(m: gate.ModelSpec) -> int:
-    """bf16 bytes of the text model (embeddings, gated-q FA, GDN projections, MLP)."""
-    h, i = m.hidden_size, m.intermediate_size
-    n_gdn, n_fa = layer_counts(m)
-    q = m.num_attention_heads * m.head_dim
-    fa = h * 2 * q + 2 * h * m.num_kv_heads * m.head_dim + q * h
-    kd = m.linear_num_key_heads * m.linear_key_head_dim
-    vd = m.linear_num_value_heads * m.linear_value_head_dim
-    gdn = h * (2 * kd + 2 * vd) + h * 2 * m.linear_num_value_heads + vd * h
-    gdn += (2 * kd + vd) * m.conv_kernel
-    mlp = 3 * h * i
-    params = 2 * m.vocab_size * h + n_fa * (fa + mlp) + n_gdn * (gdn + mlp)
-    return 2 * params
-
-
 def max_model_len(prompt_tokens: int, block: int) -> int:
     return prompt_tokens + 4 * block
-
-
-def kv_bytes_needed(m: gate.ModelSpec, max_len: int, tp: int = 1) -> int:
-    """Upper bound of one request's GPU KV: every layer holds a page per block."""
-    g = gate.expected_geometry(m, tp)
-    return (
-        m.num_hidden_layers
-        * math.ceil(max_len / g.block_size)
-        * g.block_size
-        * (gate.attn_bytes_per_token(m, tp))
-    )
-
-
-def memory_fit(
-    m: gate.ModelSpec, max_len: int, util: float, gpu_gib: float = H200_GIB, overhead_gib: float = 6
-) -> dict[str, Any]:
-    budget = util * gpu_gib * GIB
-    need = weight_bytes(m) + kv_bytes_needed(m, max_len) + overhead_gib * GIB
-    return {
-        "weights_gb": round(weight_bytes(m) / GB, 2),
-        "kv_gb": round(kv_bytes_needed(m, max_len) / GB, 2),
-        "budget_gb": round(budget / GB, 1),
-        "fits": need <= budget,
-    }
 
 
 def l1_size_gb(total_bytes: int) -> int:
     """LMCache L1 big enough for every chunk of the step (prefetch lands in L1)."""
     return max(4, math.ceil(1.25 * total_bytes / GB) + 2)
-
-
-def prompt_bytes(m: gate.ModelSpec, prompt_tokens: int, arm: str, backend: str) -> int:
-    g = backend_geometry(m, backend)
-    return (prompt_tokens // g.block_size) * chunk_bytes(m, g.block_size, arm, backend)["total"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,9 +187,7 @@ def parse_copy_stats(text: str) -> dict[str, Any] | None:
     return {"device": device, "store": side(*v[:4]), "retrieve": side(*v[4:])}
 
 
-def timed_copy_gbps(
-    stats: dict[str, Any] | None, side: str, tokens: int | None
-) -> float | None:
+def timed_copy_gbps(stats: dict[str, Any] | None, side: str, tokens: int | None) -> float | None:
     """The stream-timed copy rate of one side ("retrieve" or "store"), or None unless
     the copies it timed cover at least ``tokens``: a cumulative line logged before the
     measured transfer covers only the warm-up, and says nothing about the measurement."""
@@ -425,10 +356,6 @@ class Step:
     def spec(self) -> gate.ModelSpec:
         return MODELS[self.model]
 
-    @property
-    def uses_engine(self) -> bool:
-        return self.kind in ("restore", "cold", "bytes")
-
 
 def parse_step_id(sid: str) -> Step:
     if sid in ("pinned", "disk"):
@@ -470,104 +397,6 @@ def select_steps(selector: str, arm: str, plain_cold: bool = False) -> list[Step
             hits = [parse_step_id(part)]
         out += [s for s in hits if s not in out]
     return out
-
-
-def estimate_step_s(
-    step: Step, fresh_node: bool = False, new_shape: bool = False, disk_gib: float = 4.0
-) -> float:
-    """Seconds one step takes (the plan's cost model, COST)."""
-    if step.kind == "pinned":
-        return COST["pinned"]
-    if step.kind == "disk":
-        return 5.0 + COST["disk_per_gib"] * disk_gib
-    m = step.spec
-    g = backend_geometry(m, step.backend)
-    big = step.model == BIG_MODEL
-    start = COST["engine_start"] + (COST["engine_start_big"] if big else 0.0)
-    first = (COST["jit_first_engine"] if fresh_node else 0.0) + (
-        COST["new_shape"] if new_shape else 0.0
-    )
-    engine = start + COST["engine_teardown"]
-    nsteps = math.ceil(step.prompt_tokens / g.block_size)
-    step_ms = COST["step_ms_big"] if big else COST["step_ms"]
-    ctx = COST["ctx_ms_per_k_big"] if big else 0.0
-    prefill = nsteps * (step_ms + ctx * step.prompt_tokens / 2000) / 1e3
-    if step.kind == "cold":
-        return first + engine + prefill
-    nbytes = prompt_bytes(
-        m, step.prompt_tokens, step.arm if step.arm != "-" else "patched", step.backend
-    )
-    server = COST["server_start"] + COST["server_start_per_gb_l1"] * l1_size_gb(nbytes)
-    store = server + engine + prefill + nbytes / GB / COST["store_gbps"] + 5.0
-    if step.kind == "bytes":
-        return first + store
-    restore = server + engine + 2 * nbytes / GB / COST["restore_gbps"]
-    return first + store + restore
-
-
-def plan_calls(
-    steps: Sequence[Step], budget_s: float = CALL_BUDGET_S, fresh_node: bool = True
-) -> list[dict[str, Any]]:
-    """Greedy split into node calls of <= budget_s, in order; one node held throughout."""
-    calls: list[dict[str, Any]] = []
-    cur: dict[str, Any] = {"steps": [], "seconds": COST["call_overhead"]}
-    jit_paid = not fresh_node
-    shapes: set[str] = set()
-    for s in steps:
-        est = estimate_step_s(
-            s,
-            fresh_node=s.uses_engine and not jit_paid,
-            new_shape=s.uses_engine and s.model not in shapes,
-        )
-        if s.uses_engine:
-            jit_paid = True
-            shapes.add(s.model)
-        if cur["steps"] and cur["seconds"] + est > budget_s:
-            calls.append(cur)
-            cur = {"steps": [], "seconds": COST["call_overhead"]}
-        cur["steps"].append((s.id, round(est)))
-        cur["seconds"] += est
-        cur["over_budget"] = cur["seconds"] > budget_s
-    if cur["steps"]:
-        calls.append(cur)
-    for c in calls:
-        c["seconds"] = round(c["seconds"])
-    return calls
-
-
-def format_plan(
-    steps: Sequence[Step], budget_s: float = CALL_BUDGET_S, fresh_node: bool = True
-) -> str:
-    lines = ["# bench/gpu_restore.py plan", ""]
-    for name, m in MODELS.items():
-        g, gfa = backend_geometry(m, "FLASHINFER"), backend_geometry(m, "FLASH_ATTN")
-        cb = chunk_bytes(m, g.block_size, "patched")
-        fit = memory_fit(m, max_model_len(max(LENGTHS), g.block_size), GPU_MEMORY_UTILIZATION[name])
-        lines.append(
-            f"{name}: N={g.block_size} FlashInfer page={g.kernel_page} r={g.ratio} "
-            f"(FLASH_ATTN page={gfa.kernel_page} r=1); chunk=N: {cb['total'] / 1e6:.2f} MB "
-            f"(FA {cb['fa'] / 1e6:.2f} + GDN {cb['gdn'] / 1e6:.2f}); "
-            f"{cb['total'] / g.block_size / 1024:.0f} KiB/token; at 128k: weights "
-            f"{fit['weights_gb']} GB + KV <= {fit['kv_gb']} GB within util "
-            f"{GPU_MEMORY_UTILIZATION[name]} ({fit['budget_gb']} GB): "
-            f"{'fits' if fit['fits'] else 'DOES NOT FIT'}"
-        )
-    lines += ["", "Steps (estimate on a warm node, JIT and per-shape autotuning not included):"]
-    for s in steps:
-        lines.append(f"  {s.id:48s} ~{estimate_step_s(s):5.0f} s")
-    calls = plan_calls(steps, budget_s, fresh_node)
-    total = sum(c["seconds"] for c in calls)
-    lines += [
-        "",
-        f"Node calls of <= {budget_s:.0f} s, back to back on one node "
-        f"({'fresh: the first engine start pays the JIT; ' if fresh_node else 'JIT warm; '}"
-        f"each model's first start pays autotuning): {len(calls)} calls, ~{total / 60:.0f} min",
-    ]
-    for i, c in enumerate(calls, 1):
-        ids = ",".join(sid for sid, _ in c["steps"])
-        flag = "  (OVER BUDGET: run alone, no --max-seconds)" if c.get("over_budget") else ""
-        lines.append(f"  call {i}: ~{c['seconds']} s{flag}: --steps '{ids}'")
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------
@@ -809,13 +638,10 @@ def load_results(path: Path) -> dict[str, Any]:
     return data
 
 
-def write_results(results: dict[str, Any], paths: Iterable[Path]) -> None:
-    text = json.dumps(results, indent=1, default=str) + "\n"
-    md = markdown_report(results)
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-        p.with_suffix(".md").write_text(md)
+def write_results(results: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    path.with_suffix(".md").write_text(markdown_report(results))
 
 
 # ---------------------------------------------------------------------------------------
@@ -1229,47 +1055,12 @@ def run_step(step: Step, node: Node, disk_gib: float) -> dict[str, Any]:
     return run_store_restore_step(step, node)
 
 
-def _started_shapes(work: Path) -> set[str]:
-    try:
-        return set(json.loads((work / "shapes-started.json").read_text()))
-    except (OSError, ValueError):
-        return set()
-
-
-def gpu_compute_pids() -> list[str]:
-    """PIDs with a CUDA context on the GPUs in $CUDA_VISIBLE_DEVICES (all where it is unset;
-    another GPU of the node may run other work), [] where there is none or no tool."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    only = ["-i", visible] if re.fullmatch(r"\d+(,\d+)*", visible) else []
-    try:
-        return gate.nvidia_smi(
-            "--query-compute-apps=pid", "--format=csv,noheader", *only, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-
-
-def wait_gpu_idle(timeout: float = 90.0, poll: float = 2.0) -> list[str]:
-    """Wait until no process holds the GPU; the PIDs still there at the timeout.
-
-    vLLM's startup memory check fails when another process frees GPU memory meanwhile,
-    e.g. the engines of a killed earlier run that are still exiting.
-    """
-    end = time.monotonic() + timeout
-    while (pids := gpu_compute_pids()) and time.monotonic() < end:
-        time.sleep(poll)
-    return pids
-
-
 def run_steps(
-    steps: Sequence[Step],
-    node: Node,
-    results_path: Path,
-    copies: Sequence[Path],
-    max_seconds: float = 0.0,
-    redo: bool = False,
-    disk_gib: float = 4.0,
+    steps: Sequence[Step], node: Node, results_path: Path, disk_gib: float = 4.0
 ) -> dict[str, Any]:
+    """Run every step in order and add its record to ``results_path`` (read if present, so
+    that the patched and the pristine arm share one file); the file and a .md beside it are
+    rewritten after each step."""
     t0 = time.monotonic()
     node.work.mkdir(parents=True, exist_ok=True)
     results = load_results(results_path)
@@ -1282,35 +1073,15 @@ def run_steps(
         **envinfo,
         "l2_fs": filesystem_of(node.work),
         "done": [],
-        "not_run": [],
     }
     results["runs"].append(run)
-    outs = [results_path, *copies]
     problem = gate.arm_problem(node.arm, envinfo["versions"], node.lmcache_dir)
     if problem:
         run["error"] = problem
-        write_results(results, outs)
+        write_results(results, results_path)
         return results
-    todo = [s for s in steps if redo or not (results["records"].get(s.id) or {}).get("ok")]
-    jit_warm = (Path.home() / ".cache" / "flashinfer").exists()
-    shapes = _started_shapes(node.work)
-    scale = 1.0
-    for i, s in enumerate(todo):
-        est = scale * estimate_step_s(
-            s,
-            fresh_node=s.uses_engine and not jit_warm,
-            new_shape=s.uses_engine and s.model not in shapes,
-            disk_gib=disk_gib,
-        )
-        elapsed = time.monotonic() - t0
-        if max_seconds and i and elapsed + est > max_seconds:
-            run["not_run"] = [x.id for x in todo[i:]]
-            break
-        if s.uses_engine:
-            busy = wait_gpu_idle()
-            if busy:
-                print(f"[bench] {s.id}: GPU still busy ({busy}); vLLM may fail", flush=True)
-        print(f"[bench] {s.id}: starting (estimate {est:.0f} s)", flush=True)
+    for s in steps:
+        print(f"[bench] {s.id}: starting", flush=True)
         ts = time.monotonic()
         rec = run_step(s, node, disk_gib)
         took = time.monotonic() - ts
@@ -1326,28 +1097,11 @@ def run_steps(
         )
         results["records"][s.id] = rec
         run["done"].append(s.id)
-        if s.uses_engine:
-            jit_warm = True
-            shapes.add(s.model)
-            (node.work / "shapes-started.json").write_text(json.dumps(sorted(shapes)))
-        scale = max(scale, min(3.0, took / max(est / scale, 1.0)))
         run["elapsed_s"] = round(time.monotonic() - t0, 1)
-        write_results(results, outs)
-        brief = {
-            k: rec.get(k)
-            for k in (
-                "ok",
-                "speedup_ttft",
-                "cold_ttft_s",
-                "restore_ttft_s",
-                "h2d_gbps",
-                "write_gbps",
-            )
-            if rec.get(k) is not None
-        }
+        write_results(results, results_path)
+        keys = ("ok", "speedup_ttft", "cold_ttft_s", "restore_ttft_s", "h2d_gbps", "write_gbps")
+        brief = {k: rec[k] for k in keys if rec.get(k) is not None}
         print(f"[bench] {s.id}: {took:.0f} s {brief} {rec.get('errors') or ''}", flush=True)
-    run["elapsed_s"] = round(time.monotonic() - t0, 1)
-    write_results(results, outs)
     return results
 
 
@@ -1461,11 +1215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=REPO / "results" / f"bench-gpu-{_dt.date.today().isoformat()}.json",
         help="results JSON, read if present and updated after every step (a .md beside it)",
     )
-    ap.add_argument("--out", type=Path, help="also write the JSON and .md here")
     ap.add_argument("--steps", default="default", help="default | comma-separated ids/regexes")
     ap.add_argument("--plain-cold", action="store_true", help="add cold runs without LMCache")
-    ap.add_argument("--max-seconds", type=float, default=0.0, help="stop before overrunning")
-    ap.add_argument("--redo", action="store_true", help="rerun steps already recorded ok")
     ap.add_argument(
         "--work",
         type=Path,
@@ -1483,18 +1234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="torch.profiler around each restore request (trace and op tables in the step folder)",
     )
-    ap.add_argument("--plan", action="store_true", help="print steps, estimates, node calls")
-    ap.add_argument("--budget-s", type=float, default=CALL_BUDGET_S)
     ap.add_argument("--report", type=Path, help="print the markdown report and targets of FILE")
     ap.add_argument("--plot-from", type=Path, help="write PNG plots for FILE (needs matplotlib)")
     a = ap.parse_args(argv)
-    steps = select_steps(a.steps, a.arm, a.plain_cold)
-    if a.plan:
-        print(format_plan(steps, a.budget_s))
-        if a.arm == "patched":
-            print("Then the pristine arm (bytes per chunk), same node:")
-            print(format_plan(default_steps("pristine"), a.budget_s, fresh_node=False))
-        return 0
     if a.report:
         res = load_results(a.report)
         print(markdown_report(res))
@@ -1505,6 +1247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.lmcache_dir is None:
         ap.error("--lmcache-dir is required to run steps")
+    steps = select_steps(a.steps, a.arm, a.plain_cold)
     node = Node(
         arm=a.arm,
         lmcache_dir=a.lmcache_dir.resolve(),
@@ -1512,21 +1255,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep_page_cache=a.keep_page_cache,
         profile=a.profile,
     )
-    copies = [a.out / a.results.name] if a.out else []
     gate.install_cleanup_handler()
-    res = run_steps(steps, node, a.results, copies, a.max_seconds, a.redo, a.disk_probe_gib)
+    res = run_steps(steps, node, a.results, a.disk_probe_gib)
     run = res["runs"][-1]
     if run.get("error"):
         print(f"bench: {run['error']}", file=sys.stderr)
         return 2
-    left = [s.id for s in steps if not (res["records"].get(s.id) or {}).get("ok")]
     print(markdown_report(res))
     for t in evaluate_targets(res):
         print(
             f"TARGET {t['target']}: {_f(t['value'])} >= {t['threshold']}: "
             f"{'met' if t['met'] else 'missed'}"
         )
-    print(f"remaining: {len(left)} {left}")
     return 0
 
 

@@ -9,7 +9,7 @@ L2 folder to watch and "also_store" prompts; a restore spec may hold "warm_first
 (a restore and a cold prefill each, timed after that). Role
 fault-store (fault_kill_mid_store.py) is a store engine that runs the health request too
 and does not wait for L2; role load (load.py) keeps many requests in flight through
-LLMEngine and writes per-request records (see ``load_loop``). OUT gets a JSON result with
+LLMEngine and writes per-request records (see ``load.load_loop``). OUT gets a JSON result with
 "ok"; on failure "error" holds the traceback. The parent sets
 VLLM_KV_CACHE_LAYOUT, VLLM_ENABLE_V1_MULTIPROCESSING=0 and the PYTHONPATH (lmcache under
 test first).
@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 import gate  # noqa: E402  (stdlib only: the L2 folder helpers)
+import load  # noqa: E402  (stdlib only: the load role's request loop)
 
 # ---------------------------------------------------------------------------------------
 # Worker side (run through collective_rpc)
@@ -239,6 +240,33 @@ def _wait_l2(
     log = Path(server_log) if server_log else None
     res = gate.wait_l2_stable(Path(root), min_objects, timeout=timeout, server_log=log)
     return {"store_failures": 0, **res, "waited_s": time.monotonic() - t0}
+
+
+class PrefillTap:
+    """(local, external) cached prompt tokens per internal request id.
+
+    vLLM 0.26 attaches ``prefill_stats`` (num_local_cached_tokens: the engine's own prefix
+    cache; num_external_cached_tokens: the KV connector's, i.e. LMCache's) to a request's
+    first EngineCoreOutput, but RequestOutput only carries their sum. The tap wraps the
+    engine-core client's ``get_output`` (in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    and keeps the split.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.stats: dict[str, tuple[int, int]] = {}
+        self._orig = client.get_output
+        client.get_output = self._get_output
+
+    def _get_output(self) -> Any:
+        outs = self._orig()
+        for o in getattr(outs, "outputs", None) or []:
+            ps = getattr(o, "prefill_stats", None)
+            if ps is not None:
+                self.stats[o.request_id] = (
+                    int(ps.num_local_cached_tokens),
+                    int(ps.num_external_cached_tokens),
+                )
+        return outs
 
 
 # The run's PrefillTap: the local/external split of every request's cached tokens.
@@ -598,210 +626,6 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-class PrefillTap:
-    """(local, external) cached prompt tokens per internal request id.
-
-    vLLM 0.26 attaches ``prefill_stats`` (num_local_cached_tokens: the engine's own prefix
-    cache; num_external_cached_tokens: the KV connector's, i.e. LMCache's) to a request's
-    first EngineCoreOutput, but RequestOutput only carries their sum. The tap wraps the
-    engine-core client's ``get_output`` (in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    and keeps the split.
-    """
-
-    def __init__(self, client: Any) -> None:
-        self.stats: dict[str, tuple[int, int]] = {}
-        self._orig = client.get_output
-        client.get_output = self._get_output
-
-    def _get_output(self) -> Any:
-        outs = self._orig()
-        for o in getattr(outs, "outputs", None) or []:
-            ps = getattr(o, "prefill_stats", None)
-            if ps is not None:
-                self.stats[o.request_id] = (
-                    int(ps.num_local_cached_tokens),
-                    int(ps.num_external_cached_tokens),
-                )
-        return outs
-
-
-def blocks_to_hash(
-    prompt_tokens: int,
-    block_size: int,
-    chunk: int,
-    local: int,
-    external: int,
-    keys: list[str],
-    hashed: dict[str, int],
-    ref_copies: int,
-) -> tuple[list[int], list[int]]:
-    """Prompt block indices to hash at a request's first token: (verify, reference).
-
-    verify: the blocks LMCache restored, [local, local + external) / N. reference: blocks
-    this request computed itself that lie in complete chunks (only those are ever stored
-    and restored), while this engine has hashed that prefix block fewer than ``ref_copies``
-    times (concurrent requests may compute the same prefix block in different batches).
-    """
-    n = block_size
-    full = prompt_tokens // n
-    stored = (prompt_tokens // chunk) * chunk // n
-    lo, hi = local // n, min((local + external) // n, full)
-    verify = list(range(lo, hi)) if external > 0 else []
-    start = (local + external) // n
-    ref = [j for j in range(start, min(stored, len(keys))) if hashed.get(keys[j], 0) < ref_copies]
-    return verify, ref
-
-
-def load_loop(
-    engine: Any,
-    render: Any,
-    params: Any,
-    hash_rpc: Any,
-    prefill: dict[str, tuple[int, int]],
-    spec: dict[str, Any],
-    emit: Any,
-    clock: Any = time.time,
-) -> dict[str, Any]:
-    """Keep ``concurrency`` requests in flight until ``stop_admitting_epoch``, then drain
-    until ``end_epoch``. Requests come from ``pool`` in ``sequence`` order. At each
-    request's first token (it is still running, so its blocks are held) the restored and
-    the newly computed prefix blocks are hashed (``blocks_to_hash``) and a "first" record
-    is emitted; a "done" record follows when it finishes."""
-    pool, keys, seq = spec["pool"], spec["block_keys"], spec["sequence"]
-    n, chunk, phase = int(spec["block_size"]), int(spec["chunk"]), int(spec["phase"])
-    conc, ref_copies = int(spec["concurrency"]), int(spec.get("ref_copies", 2))
-    stop_at, end_at = float(spec["stop_admitting_epoch"]), float(spec["end_epoch"])
-    hashed: dict[str, int] = {}
-    inflight: dict[str, dict[str, Any]] = {}
-    s: dict[str, Any] = {
-        "admitted": 0,
-        "first_tokens": 0,
-        "completed": 0,
-        "hash_s": 0.0,
-        "hash_errors": 0,
-        "no_prefill_stats": 0,
-        "stopped_at_end": False,
-        "load_start_epoch": clock(),
-    }
-    i = 0
-    while True:
-        now = clock()
-        if now >= end_at:
-            s["stopped_at_end"] = True
-            break
-        while len(inflight) < conc and now < stop_at:
-            idx = int(seq[i % len(seq)])
-            ext = f"{phase}-{i}"
-            rid = engine.add_request(ext, render(pool[idx]), params)
-            inflight[ext] = {"seq": i, "pool": idx, "rid": rid, "t_add": clock(), "first": None}
-            i += 1
-            s["admitted"] += 1
-        if not inflight:
-            break
-        outs = engine.step()
-        t = clock()
-        for ro in outs:
-            st = inflight.get(ro.request_id)
-            if st is None:
-                continue
-            toks = ro.outputs[0].token_ids if ro.outputs else []
-            if st["first"] is None and len(toks) > 0:
-                st["first"] = t
-                s["first_tokens"] += 1
-                rec = _first_record(
-                    st, ro, pool, keys, prefill, hashed, hash_rpc, n, chunk, ref_copies
-                )
-                rec["phase"] = phase
-                s["hash_s"] += rec["hash_s"]
-                s["hash_errors"] += bool(rec.get("hash_error"))
-                s["no_prefill_stats"] += rec["external"] is None
-                emit(rec)
-            if ro.finished:
-                met = getattr(ro, "metrics", None)
-                ttft = getattr(met, "first_token_latency", None) if met is not None else None
-                own = (st["first"] - st["t_add"]) if st["first"] is not None else None
-                emit(
-                    {
-                        "t": "done",
-                        "phase": phase,
-                        "seq": st["seq"],
-                        "pool": st["pool"],
-                        "t_done": t,
-                        "e2e_s": t - st["t_add"],
-                        "ttft_s": ttft if isinstance(ttft, (int, float)) and ttft > 0 else own,
-                        "ttft_own_s": own,
-                        "n_out": len(toks),
-                    }
-                )
-                s["completed"] += 1
-                del inflight[ro.request_id]
-    s["load_end_epoch"] = clock()
-    s["inflight_at_end"] = len(inflight)
-    return s
-
-
-def _first_record(
-    st: dict[str, Any],
-    ro: Any,
-    pool: list[list[int]],
-    keys: list[list[str]],
-    prefill: dict[str, tuple[int, int]],
-    hashed: dict[str, int],
-    hash_rpc: Any,
-    n: int,
-    chunk: int,
-    ref_copies: int,
-) -> dict[str, Any]:
-    idx, rid = st["pool"], st["rid"]
-    p = len(pool[idx])
-    split = prefill.pop(rid, None)
-    rec: dict[str, Any] = {
-        "t": "first",
-        "seq": st["seq"],
-        "pool": idx,
-        "P": p,
-        "local": split[0] if split else None,
-        "external": split[1] if split else None,
-        "cached": getattr(ro, "num_cached_tokens", None),
-        "t_add": st["t_add"],
-        "t_first": st["first"],
-        "verify": [],
-        "ref": [],
-        "hash_s": 0.0,
-    }
-    if split is None:
-        return rec
-    verify, ref = blocks_to_hash(p, n, chunk, split[0], split[1], keys[idx], hashed, ref_copies)
-    rec["verify"], rec["ref"] = verify, ref
-    if verify or ref:
-        t0 = time.perf_counter()
-        try:
-            reports = hash_rpc(rid, p, sorted(set(verify) | set(ref)))
-            rec["hashes"] = [
-                {k: r.get(k) for k in ("rank", "fa", "gdn", "missing") if k in r} for r in reports
-            ]
-            for j in ref:
-                hashed[keys[idx][j]] = hashed.get(keys[idx][j], 0) + 1
-        except Exception as e:  # noqa: BLE001 - recorded, the request still counts
-            rec["hash_error"] = f"{type(e).__name__}: {e}"[:500]
-        rec["hash_s"] = time.perf_counter() - t0
-    return rec
-
-
-def shift_deadlines(spec: dict[str, Any], ready_epoch: float) -> float:
-    """Move a phase's deadlines later when the engine got ready too late to admit load
-    for ``min_load_s`` before ``load_window_end_epoch`` (its first start on a fresh node
-    pays the JIT); returns the shift in seconds (0 when it was ready in time)."""
-    window_end = float(spec["load_window_end_epoch"])
-    shift = max(0.0, ready_epoch + float(spec.get("min_load_s", 0.0)) - window_end)
-    if shift:
-        for k in ("load_window_end_epoch", "stop_admitting_epoch", "end_epoch", "exit_epoch"):
-            spec[k] = float(spec[k]) + shift
-        if "kill_epoch" in spec:
-            spec["kill_epoch"] = float(spec["kill_epoch"]) + shift
-    return shift
-
-
 def run_load(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
     t_start = time.monotonic()
     from vllm import SamplingParams
@@ -817,7 +641,7 @@ def run_load(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> No
     short = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], short, use_tqdm=False)
     result["ready_epoch"] = time.time()
-    result["deadline_shift_s"] = shift_deadlines(spec, result["ready_epoch"])
+    result["deadline_shift_s"] = load.shift_deadlines(spec, result["ready_epoch"])
     if "kill_epoch" in spec:  # --kill hard: die mid-load the way a SIGKILL from outside would
         delay = max(0.0, float(spec["kill_epoch"]) - time.time())
         threading.Timer(delay, os.kill, args=(os.getpid(), signal.SIGKILL)).start()
@@ -846,7 +670,7 @@ def run_load(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> No
             fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
             fh.flush()
 
-        result["load"] = load_loop(engine, render, params, hash_rpc, tap.stats, spec, emit)
+        result["load"] = load.load_loop(engine, render, params, hash_rpc, tap.stats, spec, emit)
     print(f"[gate] load {result['load']}", flush=True)
     if spec.get("l2_dir"):
         # Keep the KV (read by the server through CUDA IPC) alive until the stores landed.

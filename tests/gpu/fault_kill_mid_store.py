@@ -457,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fault: {problem}", file=sys.stderr)
         return 2
     gate.install_cleanup_handler()
-    report.update(run_fault(fc, gate.ColdRuns(fc.work / "cold-runs.json")))
+    report.update(run_fault(fc, gate.ColdRuns()))
     Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     Path(f"{stem}.md").write_text(markdown_report(report))
     print(Path(f"{stem}.md").read_text())

@@ -21,10 +21,10 @@ Pass (per case):
       restore engine (a different stored, resp. unstored, prompt of the same length each);
   (e) the health request completes.
 
-Usage on the GPU node (see ``--help``)::
+Usage on any CUDA box (see ``--help``)::
 
     python tests/gpu/gate.py --arm patched --lmcache-dir /tmp/lmc-patched \
-        --out results/ --cases quick --max-seconds 540
+        --out results/ --cases quick,deploy --jobs 4 --kv-cache-gib 4
 
 Only the standard library is imported here, so the helpers run (and are unit-tested)
 on a CPU machine; vLLM and torch are imported by ``engine_proc.py`` only.
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import fcntl
 import json
 import math
 import os
@@ -49,9 +48,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -286,7 +284,7 @@ def write_model_dir(m: ModelSpec, root: Path, mtp: bool = False) -> Path:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Concurrent cases (and the other arm's process) may read this file at any time."""
+    """Concurrent cases may read this file at any time."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -570,15 +568,6 @@ def turn2_matrix(tp: int = 1) -> list[Case]:
 def named_cases(tp: int = 1) -> list[Case]:
     """Every case a selector can name."""
     return full_matrix(tp) + deployment_matrix(tp) + mtp_matrix(tp) + turn2_matrix(tp)
-
-
-def completed_cases(arm: str, folder: Path) -> set[str]:
-    """Case ids that completed (all three engines ran) in ``folder``'s reports of ``arm``."""
-    done: set[str] = set()
-    for path in sorted(folder.glob(f"gpu-gate-*-{arm}.json")):
-        report = _read_json(path) or {}
-        done |= {c["case"] for c in report.get("cases", []) if c.get("eval", {}).get("completed")}
-    return done
 
 
 def select_cases(selector: str, tp: int = 1) -> list[Case]:
@@ -939,13 +928,7 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"- hardware: {report.get('hardware')}",
         f"- versions: {report.get('versions')}",
         f"- extra server args: {report.get('server_args') or 'none'}",
-        f"- cases run: {len(report['cases'])}, not run: {len(report.get('not_run', []))}"
-        + (" (stopped at --max-seconds)" if report.get("stopped_early") else ""),
-        *(
-            [f"- rebuilt from the case folders of {report['rebuilt_from']} (report lost)"]
-            if report.get("rebuilt_from")
-            else []
-        ),
+        f"- cases run: {len(report['cases'])}",
         "",
         "| " + " | ".join(TABLE_COLUMNS) + " |",
         "|" + "---|" * len(TABLE_COLUMNS),
@@ -1153,10 +1136,6 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
                 row += ["not run", "-", "-"] if arm == "patched" else ["not run", "-"]
                 continue
             ev = recs[0]["eval"]
-            if ev.get("completed") and not ev.get("hit_tokens"):
-                # Reports of 2026-11-29 counted an empty restore as (a) passed; the gate
-                # now fails (a) when nothing was restored (evaluate_case).
-                ev = {**ev, "a": False, "pass": False}
             tally[arm]["ran"] += 1
             tally[arm]["pass"] += bool(ev.get("pass"))
             tally[arm]["a"] += ev.get("a") is False
@@ -1193,7 +1172,7 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# Processes (node side)
+# Processes
 # ---------------------------------------------------------------------------------------
 
 
@@ -1231,8 +1210,8 @@ def child_env(lmcache_dir: Path | None, layout: str | None) -> dict[str, str]:
     return env
 
 
-# Process groups we started and have not reaped: killed on SIGTERM (``timeout`` on the
-# node), since start_new_session keeps them out of our own group.
+# Process groups we started and have not reaped: killed on SIGTERM or SIGINT, since
+# start_new_session keeps them out of our own group.
 LIVE_GROUPS: set[int] = set()
 
 
@@ -1765,49 +1744,25 @@ def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | 
 
 
 class ColdRuns:
-    """Cold (no connector) results by case key, kept in a JSON file on the node.
+    """Cold (no connector) results by ``cold_key``: a cold run does not depend on the
+    chunk, so cases that share a key run one cold engine. A second asker of a key waits
+    for the run in progress instead of starting its own engine; a failed run is not kept."""
 
-    Cold runs do not depend on the arm, so the other arm's invocation -- possibly a
-    concurrent process -- reuses them. A per-key lock file makes a second asker wait for
-    the run in progress instead of starting its own engine.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-    @contextmanager
-    def _locked(self, name: str) -> Iterator[None]:
-        with open(self.path.parent / f".{self.path.name}.{name}.lock", "w") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-
-    def load(self) -> dict[tuple[Any, ...], dict[str, Any]]:
-        try:
-            rows = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return {tuple(row["key"]): row["result"] for row in rows}
-
-    def _store(self, key: tuple[Any, ...], result: dict[str, Any]) -> None:
-        with self._locked("file"):
-            cache = self.load()
-            cache[key] = result
-            rows = [{"key": list(k), "result": v} for k, v in cache.items()]
-            atomic_write(self.path, json.dumps(rows, default=str))
+    def __init__(self) -> None:
+        self.results: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self._locks: dict[tuple[Any, ...], threading.Lock] = {}
+        self._lock = threading.Lock()
 
     def get_or_run(self, key: tuple[Any, ...], run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        with self._locked("-".join(map(str, key))):
-            hit = self.load().get(key)
-            if hit is not None:
-                return hit
-            result = run()
-            if result.get("ok"):
-                self._store(key, result)
-            return result
+        with self._lock:
+            key_lock = self._locks.setdefault(key, threading.Lock())
+        with key_lock:
+            if key not in self.results:
+                result = run()
+                if not result.get("ok"):
+                    return result
+                self.results[key] = result
+            return self.results[key]
 
 
 def start_report(
@@ -1844,18 +1799,14 @@ def write_report(report: dict[str, Any], stem: Path) -> None:
 def run_matrix(
     cases: Iterable[Case],
     rc: RunConfig,
-    max_seconds: float = 0.0,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run cases in order; stop before a case that would not fit in ``max_seconds``.
-
-    Writes ``<out>/gpu-gate-<date>-<arm>.json`` and ``.md`` after every case, so a call
-    cut short still leaves the finished cases on disk.
-    """
+    """Run cases (``rc.jobs`` at a time); writes ``<out>/gpu-gate-<date>-<arm>.json`` and
+    ``.md`` after every case."""
     t0 = time.monotonic()
     cases = list(cases)
     stem, report, problem = start_report("gpu-gate", rc.arm, rc.python, rc.lmcache_dir, rc.out)
-    report.update(cases=[], not_run=[], stopped_early=False)
+    report["cases"] = []
 
     def flush() -> None:
         report["elapsed_s"] = round(time.monotonic() - t0, 1)
@@ -1863,27 +1814,15 @@ def run_matrix(
 
     if problem:
         report["error"] = problem
-        report["not_run"] = [c.case_id for c in cases]
         flush()
         return report
-    cold_runs = ColdRuns(rc.work / "cold-runs.json")
+    cold_runs = ColdRuns()
     lock = threading.Lock()
     order = {c.case_id: i for i, c in enumerate(cases)}
-    # A case costs ~3 engine starts once the node's JIT caches are warm; the very first
-    # case on a fresh node also pays FlashInfer's JIT (run it with no limit).
-    longest = [0.0]
 
     def one(case: Case) -> None:
-        elapsed = time.monotonic() - t0
-        with lock:
-            estimate = longest[0] or 240.0
-            if max_seconds and elapsed + estimate > max_seconds:
-                report["stopped_early"] = True
-                report["not_run"].append(case.case_id)
-                return
         rec = run_case(case, rc, cold_runs)
         with lock:
-            longest[0] = max(longest[0], rec["case_s"]) if longest[0] else rec["case_s"] * 0.6
             report["cases"].append(rec)
             report["cases"].sort(key=lambda r: order[r["case"]])
             flush()
@@ -1897,8 +1836,6 @@ def run_matrix(
         with ThreadPoolExecutor(max_workers=rc.jobs) as pool:
             for fut in [pool.submit(one, c) for c in cases]:
                 fut.result()
-    report["not_run"].sort(key=order.__getitem__)
-    flush()
     report["json_path"] = f"{stem}.json"
     report["md_path"] = f"{stem}.md"
     return report
@@ -1909,62 +1846,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def rebuild_report(arm: str, work: Path, header_from: Path, out: Path) -> dict[str, Any]:
-    """The report of a run whose report did not come back, from its case folders.
-
-    A case counts only if its store and restore engines both wrote their results; the
-    evaluation is the same ``evaluate_case``. Date, hardware and versions come from
-    ``header_from``, a report of the same node and build; the date is the arm folder's
-    (the last case folder made in it; times travel in the tarball).
-    """
-    header = json.loads(header_from.read_text())
-    cold_runs = ColdRuns(work / "cold-runs.json").load()
-    folders = sorted(p for p in (work / arm).iterdir() if p.is_dir())
-    started = (work / arm).stat().st_mtime  # the last case folder made: the run's start
-    report: dict[str, Any] = {
-        "arm": arm,
-        "date": _dt.datetime.fromtimestamp(started, _dt.timezone.utc).strftime("%Y-%m-%dT%H%M%S"),
-        "header_from": header["date"],
-        "lmcache_dir": header.get("lmcache_dir"),
-        "versions": header.get("versions"),
-        "hardware": header.get("hardware"),
-        "rebuilt_from": str(work),
-        "cases": [],
-        "not_run": [],
-        "stopped_early": True,
-    }
-    for wd in folders:
-        pool = [c for tp in (1, 2) for c in named_cases(tp)]
-        hits = [c for c in pool if c.case_id == wd.name]
-        store, restore = _read_json(wd / "store.json"), _read_json(wd / "restore.json")
-        if not hits or store is None or restore is None:
-            report["not_run"].append(wd.name)
-            continue
-        case = hits[0]
-        cold = _read_json(wd / "cold.json") or cold_runs.get(cold_key(case)) or {"ok": False}
-        server1 = server_log_facts((wd / "server1.log").read_text(errors="replace"))
-        ev = add_errors(evaluate_case(case, cold, store, restore), run_errors({"server1": server1}))
-        report["cases"].append(
-            {
-                "case": case.case_id,
-                "model": case.model,
-                "geometry": asdict(case.geometry),
-                "layout": case.layout,
-                "chunk": case.chunk,
-                "prompt_tokens": case.prompt_tokens,
-                "tp": case.tp,
-                "server1": server1,
-                "eval": ev,
-                "engines": {"cold": _slim(cold), "store": _slim(store), "restore": _slim(restore)},
-            }
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"gpu-gate-{report['date']}-{arm}-rebuilt"
-    write_report(report, stem)
-    report["md_path"] = f"{stem}.md"
-    return report
 
 
 def add_case_args(
@@ -2020,12 +1901,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="quick",
         help="quick | core | all | full | comma-separated case ids / regexes",
     )
-    ap.add_argument(
-        "--max-seconds",
-        type=float,
-        default=0.0,
-        help="stop cleanly before a case that would overrun (0: no limit)",
-    )
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     ap.add_argument(
@@ -2039,20 +1914,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-gate"))
     ap.add_argument("--keep-l2", action="store_true")
-    ap.add_argument(
-        "--skip-done",
-        type=Path,
-        metavar="DIR",
-        help="leave out cases that completed in DIR's gpu-gate-*-ARM.json reports (DIR/*/ too)",
-    )
     ap.add_argument("--list", action="store_true", help="print the selected cases and exit")
-    ap.add_argument(
-        "--rebuild-from",
-        type=Path,
-        metavar="WORK",
-        help="rebuild a lost report from WORK's case folders (no GPU; needs --header-from)",
-    )
-    ap.add_argument("--header-from", type=Path, help="a report of the same node and build")
     ap.add_argument(
         "--matrix",
         type=Path,
@@ -2072,20 +1934,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.arm is None or a.lmcache_dir is None:
         ap.error("--arm and --lmcache-dir are required (except with --matrix)")
-    if a.rebuild_from:
-        if not a.header_from:
-            ap.error("--rebuild-from needs --header-from")
-        report = rebuild_report(a.arm, a.rebuild_from, a.header_from, a.out)
-        print(Path(report["md_path"]).read_text())
-        return 0
     if a.jobs > 1 and not a.kv_cache_gib:
         ap.error("--jobs > 1 needs --kv-cache-gib (vLLM's profiling breaks under concurrency)")
     cases = select_cases(a.cases, a.tp)
-    if a.skip_done:
-        done = set().union(
-            *(completed_cases(a.arm, d) for d in (a.skip_done, *a.skip_done.glob("*/")))
-        )
-        cases = [c for c in cases if c.case_id not in done]
     if a.list:
         for c in cases:
             g = c.geometry
@@ -2109,7 +1960,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(" | ".join(table_row(a.arm, rec)), flush=True)
 
     install_cleanup_handler()
-    report = run_matrix(cases, rc, a.max_seconds, progress)
+    report = run_matrix(cases, rc, progress)
     if report.get("error"):
         print(f"gate: {report['error']}", file=sys.stderr)
         return 2

@@ -23,16 +23,12 @@ ones is a mismatch. Lost objects: a ``.data`` file present after a phase's kill 
 missing or has another size after the next phase, or whose integrity trailer (magic +
 blake3, patch 0006) does not verify at the end.
 
-Usage on the GPU node (fits one 10-minute call with --duration 420 on a warm node)::
+Usage on any CUDA box::
 
     python3 tests/gpu/load.py --arm patched --lmcache-dir /tmp/lmc-patched --out results/ \\
-        --duration 420 --kv-cache-gib 8
+        --duration 600 --kv-cache-gib 8
 
-A 10-minute run takes two calls: ``--duration 600 --call-seconds 480`` ends the first
-between phases, and the same command with ``--resume`` in the next call continues it (the
-restart between the calls is one more restart; the second report covers the whole run).
-
-Here (CPU): ``--plan`` prints the workload and the phase plan. Only the standard library
+Without a GPU, ``--plan`` prints the workload and the phase plan. Only the standard library
 is imported at module level (blake3 lazily, for the trailer check); vLLM runs in
 ``engine_proc.py``.
 """
@@ -640,6 +636,188 @@ def markdown_report(report: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# The engine's request loop (engine_proc.py's role "load" runs it; pure)
+# ---------------------------------------------------------------------------------------
+
+
+def blocks_to_hash(
+    prompt_tokens: int,
+    block_size: int,
+    chunk: int,
+    local: int,
+    external: int,
+    keys: list[str],
+    hashed: dict[str, int],
+    ref_copies: int,
+) -> tuple[list[int], list[int]]:
+    """Prompt block indices to hash at a request's first token: (verify, reference).
+
+    verify: the blocks LMCache restored, [local, local + external) / N. reference: blocks
+    this request computed itself that lie in complete chunks (only those are ever stored
+    and restored), while this engine has hashed that prefix block fewer than ``ref_copies``
+    times (concurrent requests may compute the same prefix block in different batches).
+    """
+    n = block_size
+    full = prompt_tokens // n
+    stored = (prompt_tokens // chunk) * chunk // n
+    lo, hi = local // n, min((local + external) // n, full)
+    verify = list(range(lo, hi)) if external > 0 else []
+    start = (local + external) // n
+    ref = [j for j in range(start, min(stored, len(keys))) if hashed.get(keys[j], 0) < ref_copies]
+    return verify, ref
+
+
+def load_loop(
+    engine: Any,
+    render: Any,
+    params: Any,
+    hash_rpc: Any,
+    prefill: dict[str, tuple[int, int]],
+    spec: dict[str, Any],
+    emit: Any,
+    clock: Any = time.time,
+) -> dict[str, Any]:
+    """Keep ``concurrency`` requests in flight until ``stop_admitting_epoch``, then drain
+    until ``end_epoch``. Requests come from ``pool`` in ``sequence`` order. At each
+    request's first token (it is still running, so its blocks are held) the restored and
+    the newly computed prefix blocks are hashed (``blocks_to_hash``) and a "first" record
+    is emitted; a "done" record follows when it finishes."""
+    pool, keys, seq = spec["pool"], spec["block_keys"], spec["sequence"]
+    n, chunk, phase = int(spec["block_size"]), int(spec["chunk"]), int(spec["phase"])
+    conc, ref_copies = int(spec["concurrency"]), int(spec.get("ref_copies", 2))
+    stop_at, end_at = float(spec["stop_admitting_epoch"]), float(spec["end_epoch"])
+    hashed: dict[str, int] = {}
+    inflight: dict[str, dict[str, Any]] = {}
+    s: dict[str, Any] = {
+        "admitted": 0,
+        "first_tokens": 0,
+        "completed": 0,
+        "hash_s": 0.0,
+        "hash_errors": 0,
+        "no_prefill_stats": 0,
+        "stopped_at_end": False,
+        "load_start_epoch": clock(),
+    }
+    i = 0
+    while True:
+        now = clock()
+        if now >= end_at:
+            s["stopped_at_end"] = True
+            break
+        while len(inflight) < conc and now < stop_at:
+            idx = int(seq[i % len(seq)])
+            ext = f"{phase}-{i}"
+            rid = engine.add_request(ext, render(pool[idx]), params)
+            inflight[ext] = {"seq": i, "pool": idx, "rid": rid, "t_add": clock(), "first": None}
+            i += 1
+            s["admitted"] += 1
+        if not inflight:
+            break
+        outs = engine.step()
+        t = clock()
+        for ro in outs:
+            st = inflight.get(ro.request_id)
+            if st is None:
+                continue
+            toks = ro.outputs[0].token_ids if ro.outputs else []
+            if st["first"] is None and len(toks) > 0:
+                st["first"] = t
+                s["first_tokens"] += 1
+                rec = _first_record(
+                    st, ro, pool, keys, prefill, hashed, hash_rpc, n, chunk, ref_copies
+                )
+                rec["phase"] = phase
+                s["hash_s"] += rec["hash_s"]
+                s["hash_errors"] += bool(rec.get("hash_error"))
+                s["no_prefill_stats"] += rec["external"] is None
+                emit(rec)
+            if ro.finished:
+                met = getattr(ro, "metrics", None)
+                ttft = getattr(met, "first_token_latency", None) if met is not None else None
+                own = (st["first"] - st["t_add"]) if st["first"] is not None else None
+                emit(
+                    {
+                        "t": "done",
+                        "phase": phase,
+                        "seq": st["seq"],
+                        "pool": st["pool"],
+                        "t_done": t,
+                        "e2e_s": t - st["t_add"],
+                        "ttft_s": ttft if isinstance(ttft, (int, float)) and ttft > 0 else own,
+                        "ttft_own_s": own,
+                        "n_out": len(toks),
+                    }
+                )
+                s["completed"] += 1
+                del inflight[ro.request_id]
+    s["load_end_epoch"] = clock()
+    s["inflight_at_end"] = len(inflight)
+    return s
+
+
+def _first_record(
+    st: dict[str, Any],
+    ro: Any,
+    pool: list[list[int]],
+    keys: list[list[str]],
+    prefill: dict[str, tuple[int, int]],
+    hashed: dict[str, int],
+    hash_rpc: Any,
+    n: int,
+    chunk: int,
+    ref_copies: int,
+) -> dict[str, Any]:
+    idx, rid = st["pool"], st["rid"]
+    p = len(pool[idx])
+    split = prefill.pop(rid, None)
+    rec: dict[str, Any] = {
+        "t": "first",
+        "seq": st["seq"],
+        "pool": idx,
+        "P": p,
+        "local": split[0] if split else None,
+        "external": split[1] if split else None,
+        "cached": getattr(ro, "num_cached_tokens", None),
+        "t_add": st["t_add"],
+        "t_first": st["first"],
+        "verify": [],
+        "ref": [],
+        "hash_s": 0.0,
+    }
+    if split is None:
+        return rec
+    verify, ref = blocks_to_hash(p, n, chunk, split[0], split[1], keys[idx], hashed, ref_copies)
+    rec["verify"], rec["ref"] = verify, ref
+    if verify or ref:
+        t0 = time.perf_counter()
+        try:
+            reports = hash_rpc(rid, p, sorted(set(verify) | set(ref)))
+            rec["hashes"] = [
+                {k: r.get(k) for k in ("rank", "fa", "gdn", "missing") if k in r} for r in reports
+            ]
+            for j in ref:
+                hashed[keys[idx][j]] = hashed.get(keys[idx][j], 0) + 1
+        except Exception as e:  # noqa: BLE001 - recorded, the request still counts
+            rec["hash_error"] = f"{type(e).__name__}: {e}"[:500]
+        rec["hash_s"] = time.perf_counter() - t0
+    return rec
+
+
+def shift_deadlines(spec: dict[str, Any], ready_epoch: float) -> float:
+    """Move a phase's deadlines later when the engine got ready too late to admit load
+    for ``min_load_s`` before ``load_window_end_epoch`` (its first start on a fresh box
+    pays the JIT); returns the shift in seconds (0 when it was ready in time)."""
+    window_end = float(spec["load_window_end_epoch"])
+    shift = max(0.0, ready_epoch + float(spec.get("min_load_s", 0.0)) - window_end)
+    if shift:
+        for k in ("load_window_end_epoch", "stop_admitting_epoch", "end_epoch", "exit_epoch"):
+            spec[k] = float(spec[k]) + shift
+        if "kill_epoch" in spec:
+            spec["kill_epoch"] = float(spec["kill_epoch"]) + shift
+    return shift
+
+
+# ---------------------------------------------------------------------------------------
 # Node side
 # ---------------------------------------------------------------------------------------
 
@@ -656,15 +834,11 @@ class LoadConfig:
     duration: float = 600.0
     restart_every: float = 140.0
     min_phase_s: float = 75.0
-    # A phase's engine that is ready late (FlashInfer JIT on a fresh node took 150 s) still
+    # A phase's engine that is ready late (FlashInfer JIT on a fresh box took 150 s) still
     # admits load for min_load_s: its deadlines move later, and the parent waits up to
     # start_allowance_s longer for it.
     min_load_s: float = 45.0
     start_allowance_s: float = 300.0
-    # One node call lasts at most 10 min: a longer run is split over calls. call_seconds
-    # ends this invocation between phases; resume continues the run in the same folder.
-    call_seconds: float = 0.0
-    resume: bool = False
     drain_s: float = 25.0
     kill: str = "drain"  # drain | hard
     new_tokens: int = 8
@@ -747,80 +921,29 @@ def phase_spec(
     return spec
 
 
-class ResumeError(RuntimeError):
-    """--resume found no run to continue, or one with another configuration."""
-
-
-STATE_FILE = "state.json"
-
-
-def save_state(
-    wd: Path,
-    summary: dict[str, Any],
-    phases: list[dict[str, Any]],
-    snapshots: list[dict[str, int]],
-    elapsed_s: float,
-) -> None:
-    state = {"summary": summary, "phases": phases, "snapshots": snapshots, "elapsed_s": elapsed_s}
-    gate.atomic_write(wd / STATE_FILE, json.dumps(state, default=str))
-
-
-def load_state(wd: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """The state a previous call left in ``wd``; refuses another workload or model."""
-    try:
-        state = json.loads((wd / STATE_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise ResumeError(f"no load run to resume in {wd} ({e})") from e
-    was = state.get("summary") or {}
-    summary = json.loads(json.dumps(summary, default=str))  # tuples read back as lists
-    differ = sorted(k for k in set(was) | set(summary) if was.get(k) != summary.get(k))
-    if differ:
-        raise ResumeError(f"the run in {wd} had other settings: {', '.join(differ)}")
-    return state
-
-
 def run_load(cfg: LoadConfig, report: dict[str, Any], flush: Any = None) -> dict[str, Any]:
-    """Phases until ``duration`` (or this call's ``call_seconds``); fills ``report``
-    (phases, analysis) and returns it. With ``resume`` it continues the run in the work
-    folder: its phases, L2 snapshots and elapsed time carry on."""
-    t_call = time.time()
+    """Phases until ``duration``; fills ``report`` (phases, analysis) and returns it."""
+    t0 = time.time()
     case = cfg.case
     n, chunk = case.geometry.block_size, case.chunk
     wd = cfg.work / cfg.arm
     l2 = wd / "l2"
-    summary = config_summary(cfg)
     phases: list[dict[str, Any]] = report.setdefault("phases", [])
     snapshots: list[dict[str, int]] = []
-    before_s = 0.0
-    if cfg.resume:
-        state = load_state(wd, summary)
-        phases.extend(state["phases"])
-        snapshots = state["snapshots"]
-        before_s = float(state["elapsed_s"])
-    else:
-        shutil.rmtree(wd, ignore_errors=True)
-        l2.mkdir(parents=True)
-    t0 = t_call - before_s  # run time so far: earlier calls' plus this one's
-    call_end = t_call + cfg.call_seconds if cfg.call_seconds else None
+    shutil.rmtree(wd, ignore_errors=True)
+    l2.mkdir(parents=True)
     model_dir = gate.write_model_dir(case.spec, cfg.work / "models")
     env = gate.child_env(cfg.lmcache_dir, cfg.layout)
     pool = make_pool(cfg.workload, chunk)
     keys = [block_keys(e.tokens, n) for e in pool]
-    phase = len(phases)
-    finished = False
+    phase = 0
     while True:
         elapsed = time.time() - t0
         end_rel = next_phase_end(
             elapsed, cfg.duration, cfg.restart_every, cfg.min_phase_s, first=phase == 0
         )
         if end_rel is None:
-            finished = True
             break
-        if call_end is not None:
-            room = call_end - time.time()
-            if room < cfg.min_phase_s:
-                break  # the rest of the run goes to the next call (--resume)
-            end_rel = min(end_rel, elapsed + room)
         phase_end = t0 + end_rel
         meta: dict[str, Any] = {"phase": phase, "start_s": round(time.time() - t0, 1)}
         phases.append(meta)
@@ -871,13 +994,11 @@ def run_load(cfg: LoadConfig, report: dict[str, Any], flush: Any = None) -> dict
             f"objects={inv['objects']}",
             flush=True,
         )
-        save_state(wd, summary, phases, snapshots, time.time() - t0)
         if flush:
             flush()
         phase += 1
         if meta.get("error") and not meta.get("load"):
-            finished = True  # a phase that did not even start will not go better next time
-            break
+            break  # a phase that did not even start will not go better next time
     records = []
     bad_lines = 0
     for k in range(len(phases)):
@@ -889,15 +1010,8 @@ def run_load(cfg: LoadConfig, report: dict[str, Any], flush: Any = None) -> dict
         trailers = verify_trailers(l2, set().union(*snapshots))
     a = report["analysis"] = analyze(phases, records, keys, snapshots, trailers)
     a["cut_record_lines"] = bad_lines
-    a["finished"] = finished
-    if not finished:
-        a["problems"].append(
-            f"not finished: {time.time() - t0:.0f} of {cfg.duration:.0f} s run; "
-            "continue with --resume"
-        )
-        a["pass"] = False
     report["elapsed_s"] = round(time.time() - t0, 1)
-    if finished and not cfg.keep_l2:
+    if not cfg.keep_l2:
         shutil.rmtree(l2, ignore_errors=True)
     return report
 
@@ -946,15 +1060,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--min-load-s", type=float, default=45.0, help="load seconds even after a late start"
     )
     ap.add_argument("--start-allowance-s", type=float, default=300.0)
-    ap.add_argument(
-        "--call-seconds",
-        type=float,
-        default=0.0,
-        help="end this invocation between phases after about this long (0: run to --duration)",
-    )
-    ap.add_argument(
-        "--resume", action="store_true", help="continue the run left in --work by an earlier call"
-    )
     ap.add_argument("--drain-s", type=float, default=25.0, help="--kill drain: stop admitting")
     ap.add_argument("--kill", choices=("drain", "hard"), default="drain")
     ap.add_argument("--new-tokens", type=int, default=8)
@@ -979,8 +1084,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         min_phase_s=a.min_phase_s,
         min_load_s=a.min_load_s,
         start_allowance_s=a.start_allowance_s,
-        call_seconds=a.call_seconds,
-        resume=a.resume,
         drain_s=a.drain_s,
         kill=a.kill,
         new_tokens=a.new_tokens,
@@ -1021,13 +1124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"load: {problem}", file=sys.stderr)
         return 2
     gate.install_cleanup_handler()
-    try:
-        run_load(cfg, report, flush)
-    except ResumeError as e:
-        report["error"] = str(e)
-        flush()
-        print(f"load: {e}", file=sys.stderr)
-        return 2
+    run_load(cfg, report, flush)
     flush()
     print(Path(f"{stem}.md").read_text())
     return 0 if report["analysis"]["pass"] else 1

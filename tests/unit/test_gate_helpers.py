@@ -396,11 +396,11 @@ def test_core_matrix_covers_every_dimension_per_ratio() -> None:
         assert {c.layout for c in core if c.spec.family == family} == {"NHD", "HND"}
 
 
-def test_cold_runs_run_once_across_threads_and_skip_failures(tmp_path: Path) -> None:
+def test_cold_runs_run_once_across_threads_and_skip_failures() -> None:
     import threading
     import time
 
-    cold = gate.ColdRuns(tmp_path / "cold-runs.json")
+    cold = gate.ColdRuns()
     calls: list[int] = []
 
     def slow_ok() -> dict:
@@ -418,10 +418,8 @@ def test_cold_runs_run_once_across_threads_and_skip_failures(tmp_path: Path) -> 
     for t in threads:
         t.join()
     assert len(calls) == 1 and got == [{"ok": True, "gen_s": 1.5}] * 4
-    # another process (the other arm) reads it back from the file
-    assert gate.ColdRuns(tmp_path / "cold-runs.json").load() == {("m", 1, "NHD", 1): got[0]}
     assert cold.get_or_run(("m", 2, "NHD", 1), lambda: {"ok": False})["ok"] is False
-    assert ("m", 2, "NHD", 1) not in cold.load()
+    assert ("m", 2, "NHD", 1) not in cold.results
 
 
 def test_fixed_kv_cache_reaches_the_engine_spec(tmp_path: Path) -> None:
@@ -674,30 +672,6 @@ def test_run_engine_does_not_retry_other_failures(tmp_path: Path, monkeypatch) -
     assert not res["ok"] and res["attempts"] == 1 and "invalid argument" in res["error"]
 
 
-def test_rebuild_report_evaluates_complete_case_folders_only(tmp_path: Path) -> None:
-    case = gate.Case("olmo-r5", "NHD", 1, False)
-    p = case.prompt_tokens
-    kv = [_hashes({"0": "a"}, {str(p // 80 - 1): "x"})]
-    lps = [{"5": -1.0}]
-    done = tmp_path / "work" / "patched" / case.case_id
-    done.mkdir(parents=True)
-    (done / "cold.json").write_text(json.dumps({**_engine([5], lps, 2.0), "ttft_s": 1.0}))
-    (done / "store.json").write_text(json.dumps(_engine([5], lps, 2.0, kv=kv)))
-    restore = {**_engine([5], lps, 1.0, cached=p // 80 * 80, kv=kv), "ttft_s": 0.4}
-    (done / "restore.json").write_text(json.dumps(restore))
-    (done / "server1.log").write_text("")
-    cut = tmp_path / "work" / "patched" / "olmo-r5-HND-c1N-offset"
-    cut.mkdir()
-    (cut / "store.json").write_text(json.dumps(_engine([5], lps, 2.0, kv=kv)))
-    header = tmp_path / "header.json"
-    header.write_text(json.dumps({"date": "D", "versions": {"vllm": "v"}, "hardware": {}}))
-    rep = gate.rebuild_report("patched", tmp_path / "work", header, tmp_path / "out")
-    assert [c["case"] for c in rep["cases"]] == [case.case_id]
-    assert rep["cases"][0]["eval"]["pass"] and rep["not_run"] == [cut.name]
-    md = Path(rep["md_path"]).read_text()
-    assert "rebuilt from the case folders" in md and rep["versions"] == {"vllm": "v"}
-
-
 def test_evaluate_case_needs_kv_hashes_from_every_tp_rank() -> None:
     case = gate.Case("olmo-r5", "NHD", 1, False, tp=2)
     p = case.prompt_tokens
@@ -731,30 +705,6 @@ def test_restore_timeline_without_an_answer() -> None:
     assert tl["wait_for_hit_s"] is None and tl["after_hit_s"] is None and tl["hit_tokens"] is None
 
 
-def test_skip_done_leaves_out_cases_completed_in_earlier_reports(tmp_path: Path, capsys) -> None:
-    def report(arm: str, cases: dict[str, bool]) -> str:
-        recs = [{"case": c, "eval": {"completed": ok}} for c, ok in cases.items()]
-        return json.dumps({"arm": arm, "cases": recs})
-
-    (tmp_path / "c3").mkdir()
-    (tmp_path / "gpu-gate-T1-patched.json").write_text(
-        report("patched", {"olmo-r5-NHD-c1N-offset": True})
-    )
-    (tmp_path / "c3" / "gpu-gate-T2-patched.json").write_text(
-        report("patched", {"olmo-r5-NHD-c1N-exact": True, "olmo-r5-NHD-c2N-offset": False})
-    )
-    (tmp_path / "gpu-gate-T3-pristine.json").write_text(
-        report("pristine", {"olmo-r5-NHD-c2N-exact": True})
-    )
-    (tmp_path / "gpu-gate-T4-patched.json").write_text("{cut by a kill")
-    assert gate.completed_cases("patched", tmp_path / "c3") == {"olmo-r5-NHD-c1N-exact"}
-    cases = "olmo-r5-NHD-c[12]N-(offset|exact)"
-    args = ["--arm", "patched", "--lmcache-dir", str(tmp_path), "--cases", cases]
-    assert gate.main([*args, "--skip-done", str(tmp_path), "--list"]) == 0
-    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert listed == ["olmo-r5-NHD-c2N-offset", "olmo-r5-NHD-c2N-exact"]
-
-
 def _matrix_rec(case: str, failed: str = "", **ev: object) -> dict[str, object]:
     """A completed gate record that misses the criteria named in ``failed``."""
     base = {"completed": True, "hit_tokens": 4000, "hit_pct": 97.0, "restore_s": 0.1}
@@ -764,11 +714,10 @@ def _matrix_rec(case: str, failed: str = "", **ev: object) -> dict[str, object]:
     return {"case": case, "eval": {**base, **ev}}
 
 
-def test_matrix_report_shows_first_runs_reruns_and_empty_restores_as_failed_a() -> None:
+def test_matrix_report_shows_first_runs_reruns_and_empty_restores() -> None:
     first = _matrix_rec("olmo-r5-NHD-c1N-offset", "d")
     rerun = _matrix_rec("olmo-r5-NHD-c1N-offset", restore_s=0.05)
-    # A session-2 pristine record: nothing restored, yet (a) recorded as passed.
-    empty = _matrix_rec("olmo-r5-HND-c1N-offset", "cd", hit_tokens=0)
+    empty = _matrix_rec("olmo-r5-HND-c1N-offset", "acd", hit_tokens=0)
     reports = [
         {"arm": "patched", "date": "T1", "versions": {"lmcache_dist": "x.7"}, "cases": [first]},
         {"arm": "patched", "date": "T2", "cases": [rerun]},
@@ -909,17 +858,6 @@ def test_a_pristine_case_that_stored_nothing_does_not_show_the_bug() -> None:
     assert not shown and "restored nothing" in why
     assert gate.pristine_shows_the_bug({"bytes_match": False})[0]
     assert not gate.pristine_shows_the_bug({"bytes_match": True})[0]
-
-
-def test_the_gate_entry_point_fails_a_run_with_cases_not_run(monkeypatch) -> None:
-    monkeypatch.setenv("HYBRIDFA_ARM", "patched")
-    entry = _load("test_restart_gate_entry", GPU_DIR / "test_restart_gate.py")
-    ev = _passing_evaluation()
-    report = {"cases": [{"case": "olmo-r5-NHD-c1N-offset", "eval": ev}], "not_run": []}
-    monkeypatch.setattr(entry.gate, "markdown_report", lambda r: "")
-    entry.test_restart_gate(report)
-    with pytest.raises(AssertionError, match="cases not run"):
-        entry.test_restart_gate({**report, "not_run": ["olmo-r25-NHD-c1N-exact"]})
 
 
 def test_deployment_cases_name_their_backend_and_batch() -> None:

@@ -414,15 +414,15 @@ def test_an_engine_ready_late_still_gets_its_minimum_load_window(tmp_path: Path)
     pool = load.make_pool(W, cfg.case.chunk)
     keys = [load.block_keys(e.tokens, cfg.case.geometry.block_size) for e in pool]
     spec = load.phase_spec(cfg, tmp_path, 1, 0, pool, keys, 1000.0, tmp_path, tmp_path)
-    assert engine_proc.shift_deadlines(dict(spec), 900.0) == 0.0  # ready in time
+    assert load.shift_deadlines(dict(spec), 900.0) == 0.0  # ready in time
     late = dict(spec)
-    shift = engine_proc.shift_deadlines(late, 1008.0)
+    shift = load.shift_deadlines(late, 1008.0)
     assert shift == 1008.0 + 45.0 - 975.0
     assert late["stop_admitting_epoch"] == 1053.0 and late["end_epoch"] == 990.0 + shift
     assert late["exit_epoch"] == 998.0 + shift and late["load_window_end_epoch"] == 1053.0
     hard_cfg = load.LoadConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path, kill="hard")
     hard = load.phase_spec(hard_cfg, tmp_path, 1, 0, pool, keys, 1000.0, tmp_path, tmp_path)
-    assert engine_proc.shift_deadlines(hard, 990.0) == 35.0 and hard["kill_epoch"] == 1035.0
+    assert load.shift_deadlines(hard, 990.0) == 35.0 and hard["kill_epoch"] == 1035.0
 
 
 # --- load.py's flow with a fake server and fake engines ---------------------------------
@@ -521,54 +521,21 @@ def test_load_flow_with_fakes(tmp_path: Path, monkeypatch, wrong: bool, lose: bo
     assert not l2.exists()  # removed unless --keep-l2
 
 
-def test_a_run_split_over_two_calls_resumes_where_the_first_stopped(
-    tmp_path: Path, monkeypatch
-) -> None:
-    # One node call lasts at most 10 min; issue 8 asks for 10 min of load with restarts.
-    l2 = tmp_path / "w" / "patched" / "l2"
-    servers, _ = _fake_flow(monkeypatch, _flow_config(tmp_path))
-    first: dict[str, Any] = {}
-    load.run_load(_flow_config(tmp_path, call_seconds=1.6), first)
-    assert len(first["phases"]) == 2 and first["analysis"]["finished"] is False
-    assert not first["analysis"]["pass"] and "--resume" in first["analysis"]["problems"][-1]
-    assert l2.is_dir()  # kept for the next call
-    second: dict[str, Any] = {}
-    load.run_load(_flow_config(tmp_path, resume=True), second)
-    a = second["analysis"]
-    assert [m["phase"] for m in second["phases"]] == [0, 1, 2] and len(servers) == 3
-    assert a["finished"] and a["totals"]["restarts"] == 2 and a["pass"], a["problems"]
-    assert 2.9 <= second["elapsed_s"] < 4.0  # the first call's time counts
-    assert not l2.exists()
-
-
-def test_resume_refuses_a_missing_run_or_other_settings(tmp_path: Path, monkeypatch) -> None:
-    base = {"arm": "patched", "lmcache_dir": tmp_path, "out": tmp_path, "workload": W}
-    cfg = load.LoadConfig(**base, work=tmp_path / "w", resume=True)
-    with pytest.raises(load.ResumeError, match="no load run to resume"):
-        load.run_load(cfg, {})
-    wd = tmp_path / "w" / "patched"
-    wd.mkdir(parents=True)
-    other = load.LoadConfig(**base, concurrency=8)
-    load.save_state(wd, load.config_summary(other), [], [], 10.0)
-    with pytest.raises(load.ResumeError, match="other settings: concurrency"):
-        load.run_load(cfg, {})
-
-
-# --- engine_proc's load role ------------------------------------------------------------
+# --- the load role: request loop, prefill split, block hashes ------------------------
 
 
 def test_blocks_to_hash() -> None:
     keys = [f"k{j}" for j in range(10)]
     # nothing cached: reference = every block of complete chunks (chunk = 2 blocks)
-    v, r = engine_proc.blocks_to_hash(10 * 80 + 30, 80, 160, 0, 0, keys, {}, 2)
+    v, r = load.blocks_to_hash(10 * 80 + 30, 80, 160, 0, 0, keys, {}, 2)
     assert v == [] and r == list(range(10))
-    v, r = engine_proc.blocks_to_hash(9 * 80 + 30, 80, 160, 0, 0, keys, {}, 2)
+    v, r = load.blocks_to_hash(9 * 80 + 30, 80, 160, 0, 0, keys, {}, 2)
     assert r == list(range(8))  # block 8 lies in an incomplete chunk: never stored
     # local prefix hit of 2 blocks, LMCache restored 4 more: verify those, reference the rest
-    v, r = engine_proc.blocks_to_hash(10 * 80 + 30, 80, 160, 160, 320, keys, {"k7": 2}, 2)
+    v, r = load.blocks_to_hash(10 * 80 + 30, 80, 160, 160, 320, keys, {"k7": 2}, 2)
     assert v == [2, 3, 4, 5] and r == [6, 8, 9]
     # full hit up to the last chunk boundary
-    v, r = engine_proc.blocks_to_hash(800, 80, 160, 0, 640, keys, {}, 2)
+    v, r = load.blocks_to_hash(800, 80, 160, 0, 640, keys, {}, 2)
     assert v == list(range(8)) and r == [8, 9]
 
 
@@ -672,9 +639,7 @@ def test_load_loop_with_a_fake_engine() -> None:
         "stop_admitting_epoch": 1.0,
         "end_epoch": 50.0,
     }
-    s = engine_proc.load_loop(
-        eng, lambda t: t, None, hash_rpc, eng.tap.stats, spec, recs.append, now
-    )
+    s = load.load_loop(eng, lambda t: t, None, hash_rpc, eng.tap.stats, spec, recs.append, now)
     firsts = [r for r in recs if r["t"] == "first"]
     dones = [r for r in recs if r["t"] == "done"]
     assert eng.max_inflight == 3
@@ -698,9 +663,7 @@ def test_load_loop_with_a_fake_engine() -> None:
     eng2 = _FakeEngine(split)
     clock["t"] = 0.0
     spec2 = {**spec, "stop_admitting_epoch": 100.0, "end_epoch": 0.05}
-    s2 = engine_proc.load_loop(
-        eng2, lambda t: t, None, hash_rpc, eng2.tap.stats, spec2, [].append, now
-    )
+    s2 = load.load_loop(eng2, lambda t: t, None, hash_rpc, eng2.tap.stats, spec2, [].append, now)
     assert s2["stopped_at_end"] and s2["inflight_at_end"] == 3
 
 
@@ -954,7 +917,7 @@ def test_fault_flow_with_fakes(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(gate, "start_server", start_server)
     monkeypatch.setattr(gate, "run_engine", run_engine)
     monkeypatch.setattr(gate, "kill_group", kill_group)
-    rec = fault.run_fault(fc, gate.ColdRuns(tmp_path / "cold.json"))
+    rec = fault.run_fault(fc, gate.ColdRuns())
     ev = rec["eval"]
     assert rec["kill"]["decision"] == "kill" and rec["kill_target"] == 6
     assert 6 <= ev["complete_objects"] < 20 and servers == ["server1.log", "server2.log"]
