@@ -7,7 +7,7 @@ evictable, and its retrieve fails: a load error, which vLLM 0.26-0.28 cannot rec
 a hybrid model and stops the engine (vllm#50687).
 
 A whole LMCache server on CPU (restore_server: real StorageManager, LookupModule and
-transfer module) with a read TTL of 2 s.
+transfer module) with a read TTL of 4 s.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from restore_server import (
     tokens,
 )
 
-TTL_S = 2
+TTL_S = 4
 PAST_TTL_S = 2.5 * TTL_S + 0.5
 
 
