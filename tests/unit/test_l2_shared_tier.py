@@ -235,6 +235,11 @@ def test_redis_evicting_under_maxmemory_restores_exactly_or_misses(resp_servers,
         time.sleep(0.2)
     a.close()
     assert redis_info(redis, "evicted_keys") > 0, "redis evicted nothing: raise the load"
+    # Reads grow Redis' output buffers, and an evicting Redis may then drop a key between a
+    # lookup and its load, which hangs 0.5.3's client (the xfail below): restore from what
+    # the eviction left, with no further eviction.
+    with redis.client() as client:
+        client.command("CONFIG", "SET", "maxmemory", "0")
     restored = [restore_compared(resp_servers, l2, RESP, a.kv, prompt=prompt) for prompt in prompts]
     # restore_compared has compared every restored byte; some prefixes survived
     assert sum(restored) > 0, "nothing survived the eviction: lower the load"
