@@ -64,10 +64,10 @@ def test_an_engine_of_another_layout_never_restores_the_pages_of_the_first(
 
 @pytest.mark.fix
 def test_a_retrieve_of_an_engine_of_another_layout_reads_nothing(real_servers, tmp_path):
-    """Even a retrieve that no lookup hit (the engine's blocks would be written) reads
-    none of the objects the other layout stored."""
+    """Not even objects that sit read-locked in L1 by the other engine's lookup."""
     a = start(real_servers, tmp_path, MTP0)
     a.store("a", tokens(), store_ids())
+    assert a.lookup("r", tokens()[:-1]) == BLOCKS
     b = a.add_engine(engine_kv(MTP1, seed=1), instance=2)
     before = [t.clone() for t in b.kv.raw]
     b.retrieve("b", tokens(), 0, BLOCKS * N, restore_ids(BLOCKS))
