@@ -60,6 +60,7 @@ class RealServer:
     l2_objects: Callable[[], int]  # objects in the L2 tier (all nodes')
     kv: HybridKV  # the engine's KV tensors it serves
     closed: bool = False
+    instance: int = 1  # the engine instance whose stores and retrieves go through it
 
     def key(self, tokens: list[int], start: int, end: int, request: str, worker: int | None):
         from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
@@ -80,7 +81,7 @@ class RealServer:
     def store(self, request: str, tokens: list[int], engine_block_ids: list[list[int]]) -> bool:
         end = len(tokens) - len(tokens) % self.ctx.chunk_size
         key = self.key(tokens, 0, end, request, 0)
-        _, ok = self.transfer.store(key, 1, self.block_ids(engine_block_ids), b"")
+        _, ok = self.transfer.store(key, self.instance, self.block_ids(engine_block_ids), b"")
         return bool(ok)
 
     def lookup(self, request: str, tokens: list[int]) -> int:
@@ -98,7 +99,7 @@ class RealServer:
         self, request: str, tokens: list[int], start: int, end: int, ids: list[list[int]]
     ) -> bool:
         key = self.key(tokens, start, end, request, 0)
-        _, ok = self.transfer.retrieve(key, 1, self.block_ids(ids), b"", 0)
+        _, ok = self.transfer.retrieve(key, self.instance, self.block_ids(ids), b"", 0)
         return bool(ok)
 
     def free_lookup_locks(self, request: str, tokens: list[int], start: int, end: int) -> None:
@@ -127,6 +128,16 @@ class RealServer:
             time.sleep(0.02)
         found = self.l2_objects()
         raise RuntimeError(f"{found} of {count} objects reached the L2 tier in {TIMEOUT_S}s")
+
+    def add_engine(self, kv: HybridKV, instance: int) -> RealServer:
+        """Register another engine instance of the same model name on this server;
+        the view of the server that engine's stores and retrieves go through."""
+        wire = _register(self.transfer, self.ctx, kv, instance, pristine_client=False)
+        return dataclasses.replace(self, engine_group_infos=wire, kv=kv, instance=instance)
+
+    def unregister(self) -> None:
+        """The engine instance stops (UNREGISTER_KV_CACHE)."""
+        self.transfer.unregister_kv_cache(self.instance)
 
     def close(self) -> None:
         """Stop the server (a restart, when a new one opens the same folder)."""
@@ -233,15 +244,9 @@ def start_real_server(
     """Start a server on ``l2_dir`` (or, for ``resp``, on redis at ``resp_port``) and
     register ``kv`` as LMCacheMPConnector does; with ``pristine_client``, with the group
     infos a pristine 0.5.3 client sends."""
-    import msgspec
-
-    from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
-    from lmcache.integration.vllm.kv_cache_groups import create_engine_group_infos_from_vllm
-    from lmcache.utils import EngineType
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter
     from lmcache.v1.gpu_connector.kv_format.detectors import vllm as vllm_detector
     from lmcache.v1.multiprocess.engine_context import MPCacheServerContext
-    from lmcache.v1.multiprocess.group_view import EngineGroupInfo
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as transfer
     from lmcache.v1.multiprocess.modules.lookup import LookupModule
 
@@ -271,6 +276,26 @@ def start_real_server(
 
     monkeypatch.setattr(transfer, "submit_callback_to_stream", run_now)
 
+    module = transfer.LMCacheDrivenTransferModule(ctx)
+    wire = _register(module, ctx, kv, 1, pristine_client)
+    return RealServer(
+        ctx, LookupModule(ctx), module, wire, l2_dir, reads, _l2_counter(l2_dir, resp_port), kv
+    )
+
+
+def _register(
+    module: Any, ctx: Any, kv: HybridKV, instance: int, pristine_client: bool
+) -> list[Any]:
+    """Register ``kv`` as engine ``instance`` of MODEL as LMCacheMPConnector does (with
+    ``pristine_client``, with the group infos a pristine 0.5.3 client sends); the group
+    infos that crossed the message queue."""
+    import msgspec
+
+    from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
+    from lmcache.integration.vllm.kv_cache_groups import create_engine_group_infos_from_vllm
+    from lmcache.utils import EngineType
+    from lmcache.v1.multiprocess.group_view import EngineGroupInfo
+
     hints = {"kv_layout": kv.layout}
     edited = apply_kv_cache_group_edits(kv.config, dict(kv.kv_caches), layout_hints=hints)
     infos = create_engine_group_infos_from_vllm(kv.config, edited, layout_hints=hints)
@@ -285,14 +310,11 @@ def start_real_server(
             for i in infos
         ]
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(infos), type=list[EngineGroupInfo])
-    module = transfer.LMCacheDrivenTransferModule(ctx)
     wrappers = [_Wrapper(t) for t in edited.values()]
-    module.register_kv_cache(1, wrappers, MODEL, 1, EngineType.VLLM, hints, wire)
+    module.register_kv_cache(instance, wrappers, MODEL, 1, EngineType.VLLM, hints, wire)
     for entry in module._cache_contexts.values():  # noqa: SLF001
         _STREAM_OWNERS[id(entry.cache_context.cupy_stream)] = ctx
-    return RealServer(
-        ctx, LookupModule(ctx), module, wire, l2_dir, reads, _l2_counter(l2_dir, resp_port), kv
-    )
+    return wire
 
 
 def _l2_counter(l2_dir: Path, resp_port: int | None) -> Callable[[], int]:
@@ -406,16 +428,30 @@ def restore_compared(
     """Start a server under ``b`` on ``l2`` (a node with an empty L1), restore what its
     lookup of ``prompt`` hits and compare it with the blocks ``stored`` from ``src``: the
     blocks restored (0 for a miss); a restored byte that differs fails here."""
-    stored = stored or store_ids()
     kv = build_hybrid_kv(N, b.page, b.layout, NUM_BLOCKS, seed=1, gdn=b.gdn)
     server = real_servers(kv, b.chunk, l2, **b.server_args)
+    return restore_through(server, src, stored, prompt)
+
+
+def restore_through(
+    server: RealServer,
+    src: HybridKV,
+    stored: list[list[int]] | None = None,
+    prompt: list[int] | None = None,
+    request: str = "restore",
+) -> int:
+    """Restore what ``server``'s lookup of ``prompt`` hits into its engine and compare
+    it with the blocks ``stored`` from ``src``: the blocks restored (0 for a miss); a
+    restored byte that differs fails here."""
+    stored = stored or store_ids()
     prompt = prompt or tokens()
-    hit = server.lookup("restore", prompt[:-1])
+    chunk = server.ctx.chunk_size
+    hit = server.lookup(request, prompt[:-1])
     if hit == 0:
         return 0
-    blocks = hit * b.chunk // N
+    blocks = hit * chunk // N
     ids = restore_ids(blocks)
-    assert server.retrieve("restore", prompt, 0, hit * b.chunk, ids)
+    assert server.retrieve(request, prompt, 0, hit * chunk, ids)
     for layer in range(NUM_LAYERS):
         if layer in FA_LAYERS:
             pairs = [(ids[FA_GROUP][i], stored[FA_GROUP][i]) for i in range(blocks)]
@@ -423,7 +459,7 @@ def restore_compared(
             g = layer % 4
             pairs = [(ids[g][-1], stored[g][blocks - 1])]
         for dst, s in pairs:
-            assert torch.equal(kv.block_bytes(layer, dst), src.block_bytes(layer, s)), (
+            assert torch.equal(server.kv.block_bytes(layer, dst), src.block_bytes(layer, s)), (
                 f"layer {layer}: block {dst} restored other bytes than stored block {s}"
             )
     return blocks
