@@ -338,12 +338,18 @@ def _timed_summary(llm: Any, prompt: list[int], params: Any) -> dict[str, Any]:
     }
 
 
+def _scheduler_connector(llm: Any) -> Any:
+    """The scheduler-side KV connector of an in-process engine core
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0), None without one."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    return getattr(getattr(core, "scheduler", None), "connector", None)
+
+
 def _time_lookups(llm: Any, calls: list[dict[str, Any]]) -> bool:
     """Record every call of the scheduler-side connector's lookup (in-process engine core:
     VLLM_ENABLE_V1_MULTIPROCESSING=0). A lookup returns None tokens while LMCache is still
     bringing the chunks into L1; the scheduler asks again on the next step."""
-    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
-    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    connector = _scheduler_connector(llm)
     if connector is None:
         return False
     from torch.profiler import record_function
@@ -468,8 +474,7 @@ def _count_block_table_resyncs(llm: Any) -> dict[str, int] | None:
     """Count how often patch 0003's tracker resync found vLLM's live block table changed
     (a slot rewritten in place, not just appended): the speculative tail's moves and the
     freed skipped blocks. None where the connector has no resync (pristine, no connector)."""
-    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
-    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    connector = _scheduler_connector(llm)
     module = sys.modules.get(type(connector).__module__) if connector is not None else None
     tracker = getattr(module, "LMCacheMPRequestTracker", None)
     sync = getattr(tracker, "sync_block_ids", None)

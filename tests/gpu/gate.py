@@ -56,6 +56,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ENGINE_PROC = HERE / "engine_proc.py"
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+import l2_backends  # noqa: E402  (stdlib only: the L2 object keys and inventories)
 
 # FlashInfer on SM90 (H200): get_supported_kernel_block_sizes() -> [16, 32, 64]
 # (vllm/v1/attention/backends/flashinfer.py); larger pages only on SM100 trtllm-gen.
@@ -341,8 +344,17 @@ def max_promisable_hit(prompt_tokens: int, chunk: int) -> int:
     return (prompt_tokens - 1) // chunk * chunk
 
 
-def required_hit(prompt_tokens: int, chunk: int, hit_fraction: float = HIT_FRACTION) -> int:
-    return min(math.ceil(hit_fraction * prompt_tokens), max_promisable_hit(prompt_tokens, chunk))
+def required_hit(
+    prompt_tokens: int,
+    chunk: int,
+    hit_fraction: float = HIT_FRACTION,
+    promisable: int | None = None,
+) -> int:
+    """(c)'s bar: ``hit_fraction`` of the prompt, or the most a hybrid connector can
+    promise (``promisable``; by default the chunks before the last prompt token)."""
+    if promisable is None:
+        promisable = max_promisable_hit(prompt_tokens, chunk)
+    return min(math.ceil(hit_fraction * prompt_tokens), promisable)
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -755,7 +767,7 @@ def evaluate_case(
         prompt_tokens=p,
         hit_tokens=hit,
         hit_pct=round(100.0 * hit / p, 2),
-        required_hit=min(math.ceil(HIT_FRACTION * p), case.promisable_hit),
+        required_hit=required_hit(p, case.chunk, promisable=case.promisable_hit),
         restore_s=_median(restore_runs),
         restore_runs_s=restore_runs,
         cold_s=_ttft(cold),
@@ -798,35 +810,20 @@ def evaluate_case(
 
 
 def parse_l2_filename(name: str) -> dict[str, Any] | None:
-    """``<model>@0x<kv_rank>@<og hex>@<chunk hash>[@salt].data`` (fs_l2_adapter.py).
-
-    kv_rank is the bitmap (ws<<24)|(rank<<16)|(local_ws<<8)|local.
-    """
+    """``<model>@0x<kv_rank>@<og hex>@<chunk hash>[@salt].data`` (fs_l2_adapter.py): the
+    key's fields but the model."""
     if not name.endswith(".data"):
         return None
-    parts = name[: -len(".data")].split("@")
-    if len(parts) not in (4, 5):
-        return None
-    try:
-        kv_rank = int(parts[1], 16)
-        og = int(parts[2], 16)
-    except ValueError:
-        return None
-    return {
-        "world_size": kv_rank >> 24,
-        "rank": (kv_rank >> 16) & 0xFF,
-        "object_group": og,
-        "chunk_hash": parts[3],
-    }
+    meta = l2_backends.parse_object_key(name[: -len(".data")])
+    if meta is not None:
+        del meta["model"]
+    return meta
 
 
 def l2_inventory(root: Path, with_files: bool = False) -> dict[str, Any]:
     """Objects (complete ``.data`` files) in an fs L2 folder; ``with_files`` adds
     ``files``: {path relative to root: size} (load.py compares these across restarts)."""
-    files = 0
-    total = 0
-    per_rank: dict[str, dict[str, int]] = {}
-    per_group: dict[str, dict[str, int]] = {}
+    out = l2_backends.empty_inventory()
     names: dict[str, int] = {}
     for p in Path(root).rglob("*"):
         try:
@@ -838,22 +835,9 @@ def l2_inventory(root: Path, with_files: bool = False) -> dict[str, Any]:
         meta = parse_l2_filename(p.name)
         if meta is None:
             continue
-        files += 1
-        total += size
-        slot = per_rank.setdefault(str(meta["rank"]), {"objects": 0, "bytes": 0})
-        slot["objects"] += 1
-        slot["bytes"] += size
-        group = per_group.setdefault(str(meta["object_group"]), {"objects": 0, "bytes": 0})
-        group["objects"] += 1
-        group["bytes"] += size
+        l2_backends.tally(out, meta, size)
         if with_files:
             names[str(p.relative_to(root))] = size
-    out: dict[str, Any] = {
-        "objects": files,
-        "bytes": total,
-        "per_rank": per_rank,
-        "per_object_group": per_group,
-    }
     if with_files:
         out["files"] = names
     return out

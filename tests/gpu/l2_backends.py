@@ -112,8 +112,10 @@ class RespClient:
         self.close()
 
 
-def parse_resp_key(key: str) -> dict[str, Any] | None:
-    """The fields of a native connector's object key, None for another key."""
+def parse_object_key(key: str) -> dict[str, Any] | None:
+    """The fields of a stored object's key (a native connector's Redis key, an fs file's
+    name without ``.data``), None for another key. kv_rank is the bitmap
+    (ws<<24)|(rank<<16)|(local_ws<<8)|local."""
     parts = key.split(KEY_SEP)
     if len(parts) not in (4, 5):
         return None
@@ -131,23 +133,35 @@ def parse_resp_key(key: str) -> dict[str, Any] | None:
     }
 
 
+def tally(inventory: dict[str, Any], meta: dict[str, Any], size: int) -> None:
+    """Count one object of ``size`` bytes into an inventory's totals, per rank and per
+    object group."""
+    inventory["objects"] += 1
+    inventory["bytes"] += size
+    for table, field in (("per_rank", "rank"), ("per_object_group", "object_group")):
+        slot = inventory[table].setdefault(str(meta[field]), {"objects": 0, "bytes": 0})
+        slot["objects"] += 1
+        slot["bytes"] += size
+
+
+def empty_inventory() -> dict[str, Any]:
+    return {"objects": 0, "bytes": 0, "per_rank": {}, "per_object_group": {}}
+
+
 def resp_inventory(port: int, host: str = REDIS_HOST, with_keys: bool = False) -> dict[str, Any]:
     """Objects of a resp tier: their count and value bytes (STRLEN), per rank and object
     group, as ``gate.l2_inventory`` reports an fs folder; ``with_keys`` adds ``keys``:
     {key: bytes}. Keys that are not lmcache objects are left out; ``dbsize`` counts all."""
-    objects = 0
-    total = 0
-    per_rank: dict[str, dict[str, int]] = {}
-    per_group: dict[str, dict[str, int]] = {}
+    out = empty_inventory()
     keys: dict[str, int] = {}
     with RespClient(port, host) as client:
-        dbsize = int(client.command("DBSIZE"))
+        out["dbsize"] = int(client.command("DBSIZE"))
         cursor = "0"
         while True:
             cursor_raw, batch = client.command("SCAN", cursor, "COUNT", 1000)
             for raw in batch:
                 name = raw.decode(errors="replace")
-                meta = parse_resp_key(name)
+                meta = parse_object_key(name)
                 if meta is None:
                     continue
                 try:
@@ -156,24 +170,12 @@ def resp_inventory(port: int, host: str = REDIS_HOST, with_keys: bool = False) -
                     continue
                 if size == 0:  # expired or evicted since the SCAN
                     continue
-                objects += 1
-                total += size
-                for table, field in ((per_rank, "rank"), (per_group, "object_group")):
-                    slot = table.setdefault(str(meta[field]), {"objects": 0, "bytes": 0})
-                    slot["objects"] += 1
-                    slot["bytes"] += size
+                tally(out, meta, size)
                 if with_keys:
                     keys[name] = size
             cursor = cursor_raw.decode()
             if cursor == "0":
                 break
-    out: dict[str, Any] = {
-        "objects": objects,
-        "bytes": total,
-        "dbsize": dbsize,
-        "per_rank": per_rank,
-        "per_object_group": per_group,
-    }
     if with_keys:
         out["keys"] = keys
     return out

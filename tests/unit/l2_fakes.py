@@ -52,26 +52,27 @@ def open_adapter(base: Path) -> Any:
     return FSL2Adapter(FSL2AdapterConfig(base_path=str(base)))
 
 
-def _wait(poll: Any, what: str) -> Any:
-    deadline = time.monotonic() + TIMEOUT_S
+def wait_for(poll: Any, what: str, timeout: float = TIMEOUT_S) -> Any:
+    """``poll()``'s first result that is not None, polled for ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         result = poll()
         if result is not None:
             return result
         time.sleep(0.01)
-    raise RuntimeError(f"fs L2 {what} did not complete within {TIMEOUT_S}s")
+    raise RuntimeError(f"{what} did not complete within {timeout}s")
 
 
 def store(adapter: Any, keys: list[Any], payloads: list[bytes]) -> None:
     task = adapter.submit_store_task(keys, [Buf(p) for p in payloads])
-    result = _wait(lambda: adapter.pop_completed_store_tasks().get(task), "store")
+    result = wait_for(lambda: adapter.pop_completed_store_tasks().get(task), "fs L2 store")
     if int(result) < 0:
         raise RuntimeError("fs L2 store failed")
 
 
 def lookup(adapter: Any, keys: list[Any], layouts: dict[int, Any]) -> list[bool]:
     task = adapter.submit_lookup_and_lock_task(keys, layouts)
-    bitmap = _wait(lambda: adapter.query_lookup_and_lock_result(task), "lookup")
+    bitmap = wait_for(lambda: adapter.query_lookup_and_lock_result(task), "fs L2 lookup")
     return [bitmap.test(i) for i in range(len(keys))]
 
 
@@ -79,5 +80,5 @@ def load(adapter: Any, keys: list[Any], nbytes: int) -> tuple[list[bool], list[B
     """Load each key into a fresh zeroed ``nbytes`` buffer; (hit flags, buffers)."""
     bufs = [Buf(bytes(nbytes)) for _ in keys]
     task = adapter.submit_load_task(keys, bufs)
-    bitmap = _wait(lambda: adapter.query_load_result(task), "load")
+    bitmap = wait_for(lambda: adapter.query_load_result(task), "fs L2 load")
     return [bitmap.test(i) for i in range(len(keys))], bufs

@@ -46,17 +46,17 @@ def test_adapter_json_is_what_the_server_s_l2_adapter_option_parses(kind, tmp_pa
         assert adapter.base_path == str(tmp_path)
 
 
-def test_parse_resp_key() -> None:
+def test_parse_object_key() -> None:
     key = "m~hfa-0123@01000100@1@" + "ab" * 32
-    assert l2_backends.parse_resp_key(key) == {
+    assert l2_backends.parse_object_key(key) == {
         "model": "m~hfa-0123",
         "world_size": 1,
         "rank": 0,
         "object_group": 1,
         "chunk_hash": "ab" * 32,
     }
-    assert l2_backends.parse_resp_key("not-an-object") is None
-    assert l2_backends.parse_resp_key("m@zz@1@ab") is None
+    assert l2_backends.parse_object_key("not-an-object") is None
+    assert l2_backends.parse_object_key("m@zz@1@ab") is None
 
 
 def test_inventory_counts_objects_and_value_bytes(redis: RedisServer) -> None:

@@ -5,7 +5,6 @@ recurrent-state object groups do (patch 0024)."""
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,10 +12,9 @@ import pytest
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.resp_l2_adapter")
 
-from l2_fakes import Buf  # noqa: E402
+from l2_fakes import Buf, wait_for  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 
-TIMEOUT_S = 5.0
 SIZES = [4096, 1024, 4096, 1024, 4096, 1024]  # object groups 0 and 1 of three chunks
 
 
@@ -45,13 +43,7 @@ def keys() -> list[Any]:
 
 
 def wait(poll: Any) -> Any:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        result = poll()
-        if result is not None:
-            return result
-        time.sleep(0.01)
-    raise RuntimeError(f"the resp adapter did not complete a task in {TIMEOUT_S}s")
+    return wait_for(poll, "a resp adapter task")
 
 
 @pytest.mark.fix
