@@ -852,7 +852,7 @@ def bench_engine_spec(
             "extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port},
         }
     if role == "store" and l2_dir is not None:
-        spec["l2_dir"] = str(l2_dir)
+        spec["l2"] = str(l2_dir)
         spec["l2_min_objects"] = p // n
     return spec
 

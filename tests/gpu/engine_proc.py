@@ -231,14 +231,14 @@ def _hash_blocks(
 
 
 def _wait_l2(
-    root: str, min_objects: int, timeout: float = 90.0, server_log: str | None = None
+    tier: str, min_objects: int, timeout: float = 90.0, server_log: str | None = None
 ) -> dict[str, Any]:
     """Stores are asynchronous: keep this process (and its GPU KV, which the server reads
-    through CUDA IPC) alive until the chunks reached the server's L2 folder, or until the
-    folder is quiet and the server logged failed stores (the rest will never come)."""
+    through CUDA IPC) alive until the chunks reached the server's L2 tier, or until the
+    tier is quiet and the server logged failed stores (the rest will never come)."""
     t0 = time.monotonic()
     log = Path(server_log) if server_log else None
-    res = gate.wait_l2_stable(Path(root), min_objects, timeout=timeout, server_log=log)
+    res = gate.wait_l2_stable(tier, min_objects, timeout=timeout, server_log=log)
     return {"store_failures": 0, **res, "waited_s": time.monotonic() - t0}
 
 
@@ -599,9 +599,9 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
     for tokens in spec.get("also_store") or []:
         llm.generate([TokensPrompt(prompt_token_ids=tokens)], short, use_tqdm=False)
 
-    if spec["role"] == "store" and spec.get("l2_dir"):
+    if spec["role"] == "store" and spec.get("l2"):
         result["l2_wait"] = _wait_l2(
-            spec["l2_dir"], int(spec.get("l2_min_objects", 1)), server_log=spec.get("server_log")
+            spec["l2"], int(spec.get("l2_min_objects", 1)), server_log=spec.get("server_log")
         )
 
     if spec["role"] in HEALTH_ROLES:
@@ -677,13 +677,11 @@ def run_load(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> No
 
         result["load"] = load.load_loop(engine, render, params, hash_rpc, tap.stats, spec, emit)
     print(f"[gate] load {result['load']}", flush=True)
-    if spec.get("l2_dir"):
+    if spec.get("l2"):
         # Keep the KV (read by the server through CUDA IPC) alive until the stores landed.
         left = float(spec.get("exit_epoch", spec["end_epoch"])) - time.time()
         wait = max(0.0, min(float(spec.get("l2_quiet_timeout", 15.0)), left))
-        result["l2_wait"] = _wait_l2(
-            spec["l2_dir"], 0, timeout=wait, server_log=spec.get("server_log")
-        )
+        result["l2_wait"] = _wait_l2(spec["l2"], 0, timeout=wait, server_log=spec.get("server_log"))
     result["ok"] = True
     out_path.write_text(json.dumps(result))
     print(f"[gate] load done in {time.monotonic() - t_start:.1f}s", flush=True)

@@ -431,6 +431,7 @@ class Case:
     batched: str = "2N-1"  # max_num_batched_tokens: 2N-1 or N
     spec_tokens: int = 0  # MTP speculative decoding (num_speculative_tokens) in every engine
     turn: int = 1  # 2: restore a chat's second turn (prompt + the model's answer + a question)
+    l2: str = "fs"  # the L2 adapter: fs | fs_native | resp (a redis-server of the case's own)
 
     @property
     def spec(self) -> ModelSpec:
@@ -464,7 +465,15 @@ class Case:
         mbt = "-mbtN" if self.batched == "N" else ""
         mtp = f"-mtp{self.spec_tokens}" if self.spec_tokens else ""
         turn = f"-turn{self.turn}" if self.turn != 1 else ""
-        return f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}{fa}{mbt}{mtp}{turn}{tp}"
+        l2 = f"-{self.l2.replace('_', '')}" if self.l2 != "fs" else ""
+        return (
+            f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}{fa}{mbt}{mtp}{turn}{l2}{tp}"
+        )
+
+    def refused_by(self, arm: str) -> bool:
+        """Whether the arm's server refuses this case's hybrid layout (patch 0021: the
+        patched build stores nothing on an fs_native tier, and its lookups miss)."""
+        return arm == "patched" and self.l2 == "fs_native"
 
     @property
     def answer_tokens(self) -> int:
@@ -577,13 +586,25 @@ def turn2_matrix(tp: int = 1) -> list[Case]:
     ]
 
 
+def l2_matrix(tp: int = 1) -> list[Case]:
+    """The L2 tiers beside the Python fs adapter: resp (Redis) and fs_native."""
+    return [
+        Case("olmo-r5", "NHD", 1, False, tp, l2="resp"),
+        Case("qwen35-r5", "HND", 2, False, tp, l2="resp"),
+        Case("olmo-r5", "NHD", 2, False, tp, l2="fs_native"),
+        Case("qwen35-r5", "NHD", 1, True, tp, l2="fs_native"),
+    ]
+
+
 def named_cases(tp: int = 1) -> list[Case]:
     """Every case a selector can name."""
-    return full_matrix(tp) + deployment_matrix(tp) + mtp_matrix(tp) + turn2_matrix(tp)
+    return (
+        full_matrix(tp) + deployment_matrix(tp) + mtp_matrix(tp) + turn2_matrix(tp) + l2_matrix(tp)
+    )
 
 
 def select_cases(selector: str, tp: int = 1) -> list[Case]:
-    """Comma-separated: quick | core | all | full | deploy | mtp | turn2, case ids, or
+    """Comma-separated: quick | core | all | full | deploy | mtp | turn2 | l2, case ids, or
     regexes over case ids."""
     named = {
         "quick": quick_matrix,
@@ -593,6 +614,7 @@ def select_cases(selector: str, tp: int = 1) -> list[Case]:
         "deploy": deployment_matrix,
         "mtp": mtp_matrix,
         "turn2": turn2_matrix,
+        "l2": l2_matrix,
     }
     pool = named_cases(tp)
     out: list[Case] = []
@@ -707,9 +729,14 @@ def evaluate_case(
     cold: dict[str, Any] | None,
     store: dict[str, Any] | None,
     restore: dict[str, Any] | None,
+    refused: bool = False,
 ) -> dict[str, Any]:
-    """Criteria (a)-(e) plus validity checks, from the three engines' JSON results."""
-    out: dict[str, Any] = {"errors": []}
+    """Criteria (a)-(e) plus validity checks, from the three engines' JSON results.
+
+    ``refused``: the server is meant to refuse the case's layout (``Case.refused_by``).
+    Then the restore must miss (c), give the stored prompt's tokens computed afresh (b),
+    and serve on (e); (a) and (d) do not apply."""
+    out: dict[str, Any] = {"errors": [], "refused": refused}
     for role, r in (("cold", cold), ("store", store), ("restore", restore)):
         if not r or not r.get("ok"):
             out["errors"].append(f"{role}: {(r or {}).get('error', 'no result')}"[:2000])
@@ -784,6 +811,13 @@ def evaluate_case(
         health_matches_cold=restore.get("health", {}).get("tokens")
         == cold.get("health", {}).get("tokens"),
     )
+    if refused:
+        out["a"] = out["d"] = None
+        out["b"] = out["tokens_match"] and lp_ok
+        out["c"] = hit == 0
+        out["e"] = out["health_ok"]
+        out["pass"] = not out["errors"] and all(out[k] for k in "bce")
+        return out
     if hit == 0:
         # Nothing was restored: equal bytes and tokens would only show that a recompute
         # is deterministic, so (a) says nothing -- for either arm.
@@ -841,6 +875,18 @@ def l2_inventory(root: Path, with_files: bool = False) -> dict[str, Any]:
     if with_files:
         out["files"] = names
     return out
+
+
+def tier_inventory(tier: str | Path) -> dict[str, Any]:
+    """Objects of an L2 tier: an fs or fs_native folder, or ``redis://host:port``."""
+    text = str(tier)
+    if text.startswith(REDIS_URL):
+        host, port = text[len(REDIS_URL) :].rsplit(":", 1)
+        return l2_backends.resp_inventory(int(port), host)
+    return l2_inventory(Path(text))
+
+
+REDIS_URL = "redis://"
 
 
 def expected_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
@@ -1002,6 +1048,11 @@ def run_errors(rec: dict[str, Any]) -> list[str]:
         errors.append(f"the L2 folder did not settle after the store ({l2.get('objects')} objects)")
     if rec.get("server_error"):
         errors.append(rec["server_error"][-1500:])
+    if rec.get("expect_refusal"):
+        if not (rec.get("server1") or {}).get("refusals"):
+            errors.append(f"the server did not log its refusal ({REFUSAL!r})")
+        if (rec.get("l2_after_kill") or {}).get("objects"):
+            errors.append("the server stored objects of a layout it refused")
     return errors
 
 
@@ -1026,11 +1077,11 @@ def pristine_shows_the_bug(ev: dict[str, Any]) -> tuple[bool, str]:
 
 
 def verdict(ev: dict[str, Any]) -> str:
-    """pass | fails (x) (y) | error: which of the criteria a-e a case missed."""
+    """pass | refused | fails (x) (y) | error: which of the criteria a-e a case missed."""
     if not ev.get("completed"):
         return "error"
     if ev.get("pass"):
-        return "pass"
+        return "refused (a miss)" if ev.get("refused") else "pass"
     return "fails " + " ".join(f"({k})" for k in "abcde" if ev.get(k) is False)
 
 
@@ -1261,7 +1312,7 @@ def start_server(
     env: dict[str, str],
     port: int,
     chunk: int,
-    l2_dir: Path,
+    l2: Path | dict[str, Any],
     log: Path,
     timeout: float = 180.0,
     l1_size_gb: float = 4,
@@ -1283,7 +1334,7 @@ def start_server(
         "--http-port",
         str(free_port()),
         "--l2-adapter",
-        json.dumps({"type": "fs", "base_path": str(l2_dir)}),
+        json.dumps(l2_backends.adapter_json("fs", l2) if isinstance(l2, Path) else l2),
         *extra_args,
         *extra_server_args(),
     ]
@@ -1369,6 +1420,8 @@ def engine_log_facts(text: str) -> dict[str, Any]:
 
 
 STORE_FAILED = "Cannot store keys due to exception"
+# Patch 0021's registration error: a hybrid layout on a server with an fs_native tier.
+REFUSAL = "publishes objects without an integrity check"
 
 
 def server_log_facts(text: str) -> dict[str, Any]:
@@ -1377,6 +1430,7 @@ def server_log_facts(text: str) -> dict[str, Any]:
         "prefetch": pre[-1] if pre else None,
         "errors": len(re.findall(r"\bERROR\b|Traceback", text)),
         "store_failures": text.count(STORE_FAILED),
+        "refusals": text.count(REFUSAL),
     }
 
 
@@ -1396,23 +1450,24 @@ def store_failures(server_log: Path | None) -> int:
 
 
 def wait_l2_stable(
-    root: Path,
+    tier: str | Path,
     min_objects: int,
     timeout: float = 90.0,
     quiet: float = 3.0,
     server_log: Path | None = None,
 ) -> dict[str, Any]:
-    """Wait until the L2 folder holds >= min_objects and stops changing for ``quiet`` s.
+    """Wait until the L2 tier (``tier_inventory``) holds >= min_objects and stops changing
+    for ``quiet`` s.
 
-    Gives up early once the folder is quiet and ``server_log`` shows failed stores (pristine
+    Gives up early once the tier is quiet and ``server_log`` shows failed stores (pristine
     0.5.3 under HND fails every store): the missing objects will never come.
     """
     deadline = time.monotonic() + timeout
-    last = l2_inventory(root)
+    last = tier_inventory(tier)
     since = time.monotonic()
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        inv = l2_inventory(root)
+        inv = tier_inventory(tier)
         if (inv["objects"], inv["bytes"]) != (last["objects"], last["bytes"]):
             last, since = inv, time.monotonic()
         elif time.monotonic() - since >= quiet:
@@ -1446,8 +1501,16 @@ class RunConfig:
 
 
 def engine_spec(
-    case: Case, role: str, model_dir: Path, rc: RunConfig, port: int | None, l2_dir: Path | None
+    case: Case,
+    role: str,
+    model_dir: Path,
+    rc: RunConfig,
+    port: int | None,
+    l2: Path | str | None,
+    server_log: Path | None = None,
 ) -> dict[str, Any]:
+    """``l2``: the store engine's L2 tier (a folder, or ``redis://host:port``), which it
+    waits on before it exits; ``server_log`` defaults to server1.log beside the folder."""
     g = case.geometry
     p = case.prompt_tokens
     spec: dict[str, Any] = {
@@ -1482,11 +1545,14 @@ def engine_spec(
             "module_path": CONNECTOR_MODULE,
             "extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port},
         }
-    if role == "store" and l2_dir is not None:
-        spec["l2_dir"] = str(l2_dir)
+    if role == "store" and l2 is not None:
+        spec["l2"] = str(l2)
         stored = p if case.turn == 1 else p + case.answer_tokens - 1
         spec["l2_min_objects"] = (stored // case.chunk) * case.tp
-        spec["server_log"] = str(l2_dir.parent / "server1.log")
+        if server_log is None and isinstance(l2, Path):
+            server_log = l2.parent / "server1.log"
+        if server_log is not None:
+            spec["server_log"] = str(server_log)
     return spec
 
 
@@ -1501,11 +1567,16 @@ D_REPEATS = 1 + len(D_REPEAT_SEEDS)
 
 
 def store_spec(
-    case: Case, model_dir: Path, rc: RunConfig, port: int, l2_dir: Path
+    case: Case,
+    model_dir: Path,
+    rc: RunConfig,
+    port: int,
+    l2: Path | str,
+    server_log: Path | None = None,
 ) -> dict[str, Any]:
     """The store engine's spec: the measured prompt, then prompts of the same length for
     the restore engine to restore before it (warm-up) and after it ((d)'s repeats)."""
-    spec = engine_spec(case, "store", model_dir, rc, port, l2_dir)
+    spec = engine_spec(case, "store", model_dir, rc, port, l2, server_log)
     seeds = (WARM_RESTORE_SEED, *(r for r, _ in D_REPEAT_SEEDS))
     spec["also_store"] = [make_prompt(case.prompt_tokens, seed=s) for s in seeds]
     spec["l2_min_objects"] += len(seeds) * (case.prompt_tokens // case.chunk) * case.tp
@@ -1572,6 +1643,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     wd.mkdir(parents=True)
     l2 = wd / "l2"
     l2.mkdir()
+    refused = case.refused_by(rc.arm)
     model_dir = write_model_dir(case.spec, rc.work / "models", mtp=case.spec_tokens > 0)
     env = child_env(rc.lmcache_dir, case.layout)
     rec: dict[str, Any] = {
@@ -1588,6 +1660,8 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         "max_num_batched_tokens": case.max_num_batched_tokens,
         "spec_tokens": case.spec_tokens,
         "turn": case.turn,
+        "l2_adapter": case.l2,
+        "expect_refusal": refused,
         "expected_chunk_bytes": expected_chunk_bytes(case.spec, case.chunk, case.tp),
     }
     cold = cold_runs.get_or_run(
@@ -1603,18 +1677,29 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     )
     store = restore = None
     servers: list[subprocess.Popen[Any]] = []
+    redis: l2_backends.RedisServer | None = None
     try:
+        tier: Path | str = l2
+        if case.l2 == "resp":
+            # The shared tier outlives both LMCache servers, as a Redis of its own would.
+            redis = l2_backends.RedisServer(workdir=wd / "redis").start()
+            tier = f"{REDIS_URL}{l2_backends.REDIS_HOST}:{redis.port}"
+            adapter = l2_backends.adapter_json("resp", port=redis.port)
+        else:
+            adapter = l2_backends.adapter_json(case.l2, folder=l2)
         port = free_port()
-        srv = start_server(rc.python, env, port, case.chunk, l2, wd / "server1.log")
+        srv = start_server(rc.python, env, port, case.chunk, adapter, wd / "server1.log")
         servers.append(srv)
-        sspec = store_spec(case, model_dir, rc, port, l2)
+        sspec = store_spec(case, model_dir, rc, port, tier, wd / "server1.log")
+        if refused:
+            sspec["l2_min_objects"] = 0
         store = run_engine(rc.python, env, sspec, wd, "store", rc.engine_timeout)
         rec["l2_after_store"] = wait_l2_stable(
-            l2, sspec["l2_min_objects"], server_log=wd / "server1.log"
+            tier, sspec["l2_min_objects"], server_log=wd / "server1.log"
         )
         kill_group(srv)
         rec["server1"] = server_log_facts((wd / "server1.log").read_text(errors="replace"))
-        rec["l2_after_kill"] = l2_inventory(l2)
+        rec["l2_after_kill"] = tier_inventory(tier)
         inv = rec["l2_after_kill"]
         if inv["objects"]:
             rec["l2_bytes_per_object"] = inv["bytes"] / inv["objects"]
@@ -1625,7 +1710,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             )
         elif store.get("ok"):
             port = free_port()
-            srv = start_server(rc.python, env, port, case.chunk, l2, wd / "server2.log")
+            srv = start_server(rc.python, env, port, case.chunk, adapter, wd / "server2.log")
             servers.append(srv)
             restore = run_engine(
                 rc.python,
@@ -1637,12 +1722,14 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             )
             kill_group(srv)
             rec["server2"] = server_log_facts((wd / "server2.log").read_text(errors="replace"))
-    except ServerError as e:
+    except (ServerError, FileNotFoundError, RuntimeError) as e:
         rec["server_error"] = str(e)[-3000:]
     finally:
         for s in servers:
             kill_group(s)
-    rec["eval"] = add_errors(evaluate_case(case, cold, store, restore), run_errors(rec))
+        if redis is not None:
+            redis.close()
+    rec["eval"] = add_errors(evaluate_case(case, cold, store, restore, refused), run_errors(rec))
     rec["engines"] = {
         role: _slim(r) for role, r in (("cold", cold), ("store", store), ("restore", restore))
     }

@@ -913,7 +913,7 @@ def phase_spec(
         min_load_s=cfg.min_load_s,
         **kill,
         records_path=str(wd / f"records-{phase}.jsonl"),
-        l2_dir=str(l2),
+        l2=str(l2),
         server_log=str(wd / f"server{phase}.log"),
     )
     for k in ("prompt", "health", "prompt_key"):  # the gate's single request: unused here

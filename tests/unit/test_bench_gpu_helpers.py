@@ -235,7 +235,7 @@ def test_restore_step_flow_with_fake_server_and_engines(tmp_path: Path, monkeypa
         assert spec["max_num_batched_tokens"] == 2 * n - 1
         if role == "store":
             for i in range(15):
-                (Path(spec["l2_dir"]) / f"m@0x1000000@0x0@{i:04x}.data").write_bytes(b"\0" * obj)
+                (Path(spec["l2"]) / f"m@0x1000000@0x0@{i:04x}.data").write_bytes(b"\0" * obj)
             return {
                 "ok": True,
                 "gen_s": 4.0,

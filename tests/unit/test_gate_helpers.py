@@ -1024,3 +1024,47 @@ def test_init_weights_covers_the_drafter_but_not_what_it_shares() -> None:
     assert torch.equal(target_proj, fresh.worker.model_runner.model["proj"].weight)
     fc = runner.drafter.model["fc"].weight
     assert float(fc.detach().abs().max()) < 0.2 and float(fc.detach().std()) > 0.005
+
+
+def test_l2_cases_name_their_adapter_and_only_patched_refuses_fs_native() -> None:
+    cases = {c.case_id: c for c in gate.select_cases("l2")}
+    assert {c.l2 for c in cases.values()} == {"resp", "fs_native"}
+    native = cases["olmo-r5-NHD-c2N-offset-fsnative"]
+    assert native.refused_by("patched") and not native.refused_by("pristine")
+    assert not cases["olmo-r5-NHD-c1N-offset-resp"].refused_by("patched")
+
+
+def _refused_evaluation(hit: int) -> dict:
+    case = gate.Case("olmo-r5", "NHD", 2, False, l2="fs_native")
+    cold, store = _engine([5], [], 2.0), _engine([5], [], 2.1)
+    return gate.evaluate_case(case, cold, store, _engine([5], [], 2.0, cached=hit), refused=True)
+
+
+def test_a_refused_case_passes_on_a_miss_with_the_stored_prompts_tokens() -> None:
+    ev = _refused_evaluation(0)
+    assert ev["pass"] and gate.verdict(ev) == "refused (a miss)"
+    assert ev["a"] is None and ev["d"] is None
+
+
+def test_a_refused_case_with_a_hit_fails_c() -> None:
+    ev = _refused_evaluation(320)
+    assert not ev["pass"] and ev["c"] is False
+
+
+def test_a_refusal_the_server_never_logged_or_that_stored_objects_is_an_error() -> None:
+    rec = {"expect_refusal": True, "server1": {"refusals": 0}, "l2_after_kill": {"objects": 3}}
+    errors = gate.run_errors(rec)
+    assert len(errors) == 2 and gate.REFUSAL in errors[0]
+    logged = {"expect_refusal": True, "server1": {"refusals": 1}, "l2_after_kill": {"objects": 0}}
+    assert gate.run_errors(logged) == []
+
+
+def test_tier_inventory_reads_a_folder_or_a_redis_url(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "m@0x1000000@0x0@abcd.data").write_bytes(b"\0" * 10)
+    assert gate.tier_inventory(tmp_path)["objects"] == 1
+    seen = []
+    monkeypatch.setattr(
+        gate.l2_backends, "resp_inventory", lambda port, host: seen.append((host, port)) or {}
+    )
+    gate.tier_inventory("redis://127.0.0.1:6390")
+    assert seen == [("127.0.0.1", 6390)]

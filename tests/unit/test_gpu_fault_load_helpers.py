@@ -857,7 +857,7 @@ def test_fault_spec(tmp_path: Path) -> None:
     extra = spec["lmcache"]["extra_config"]
     assert extra["lmcache.mp.heartbeat_interval"] == 2.0 and extra["lmcache.mp.mq_timeout"] == 60.0
     assert spec["max_model_len"] >= len(spec["prompt"]) + gate.NEW_TOKENS
-    assert "l2_dir" not in spec and spec["kv_cache_memory_bytes"] == 4 << 30
+    assert "l2" not in spec and spec["kv_cache_memory_bytes"] == 4 << 30
     assert "lmcache" not in fault.fault_spec(fc, "cold", tmp_path, None)
     assert "cold_reference" not in fault.fault_spec(fc, "restore", tmp_path, 4242)
     assert "fault-store" in engine_proc.HEALTH_ROLES
