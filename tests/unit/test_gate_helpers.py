@@ -1037,7 +1037,9 @@ def test_l2_cases_name_their_adapter_and_only_patched_refuses_fs_native() -> Non
 def _refused_evaluation(hit: int) -> dict:
     case = gate.Case("olmo-r5", "NHD", 2, False, l2="fs_native")
     cold, store = _engine([5], [], 2.0), _engine([5], [], 2.1)
-    return gate.evaluate_case(case, cold, store, _engine([5], [], 2.0, cached=hit), refused=True)
+    restore = _engine([5], [], 2.0, cached=hit)
+    restore["timed_pairs"] = [{"restore": {"gen_s": 2.0, "num_cached_tokens": hit}}]
+    return gate.evaluate_case(case, cold, store, restore, refused=True)
 
 
 def test_a_refused_case_passes_on_a_miss_with_the_stored_prompts_tokens() -> None:
