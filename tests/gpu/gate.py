@@ -1072,7 +1072,8 @@ def pristine_shows_the_bug(ev: dict[str, Any]) -> tuple[bool, str]:
     if ev.get("bytes_match") is None:
         return False, (
             "pristine restored nothing (no external hit), so (a) was never exercised; "
-            "under HND pristine's stores crash: run the pristine-hnd arm"
+            "under HND pristine's stores crash (run the pristine-hnd arm), on resp its "
+            "recurrent objects never reach Redis (run the pristine-resp arm)"
         )
     return False, "pristine restored identical KV bytes: the gate cannot see the bug"
 
@@ -1800,7 +1801,7 @@ print("GATE-ENV " + json.dumps(out))
     return {"versions": versions, "hardware": hardware, "server_args": extra_server_args()}
 
 
-ARMS = ("patched", "pristine", "pristine-hnd")
+ARMS = ("patched", "pristine", "pristine-hnd", "pristine-resp")
 
 
 def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | None:
@@ -1959,7 +1960,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--arm",
         choices=ARMS,
         help="patched; pristine; pristine-hnd: pristine with only the series' HND patch "
-        "(pristine's HND stores crash, so this arm shows that (a) bites under HND)",
+        "(pristine's HND stores crash, so this arm shows that (a) bites under HND); "
+        "pristine-resp: pristine with only the HND and the native-connector batch patches "
+        "(pristine's resp tier stores no recurrent object, so this arm shows that (a) bites "
+        "on resp)",
     )
     ap.add_argument(
         "--lmcache-dir",
