@@ -37,7 +37,7 @@ def report() -> dict:
     )
     tp = int(os.environ.get("HYBRIDFA_GATE_TP", "1"))
     cases = gate.select_cases(os.environ.get("HYBRIDFA_GATE_CASES", "quick"), tp)
-    return gate.run_matrix(cases, rc)
+    return {**gate.run_matrix(cases, rc), "selected": [c.case_id for c in cases]}
 
 
 def _summary(report: dict) -> str:
@@ -49,11 +49,14 @@ def test_restart_gate(report: dict) -> None:
     assert not report.get("error"), report.get("error")
     cases = report["cases"]
     assert cases, "no case ran" + _summary(report)
+    not_run = set(report["selected"]) - {rec["case"] for rec in cases}
+    assert not not_run, f"cases that did not run: {sorted(not_run)}" + _summary(report)
     for rec in cases:
         ev = rec["eval"]
         assert ev.get("completed"), f"{rec['case']}: {ev.get('errors')}" + _summary(report)
         if ARM == "patched":
-            failed = [k for k in "abcde" if not ev.get(k)]
+            # a refused layout (fs_native) must miss: (a) and (d) do not apply
+            failed = [k for k in ("bce" if ev.get("refused") else "abcde") if not ev.get(k)]
             assert ev["pass"] and not failed, (
                 f"{rec['case']}: failed {failed} errors={ev.get('errors')} "
                 f"kv={ev.get('kv')}" + _summary(report)
