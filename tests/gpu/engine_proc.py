@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -645,11 +644,9 @@ def run_load(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> No
     _init_weights(llm, spec, result)
     short = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], short, use_tqdm=False)
-    result["ready_epoch"] = time.time()
-    result["deadline_shift_s"] = load.shift_deadlines(spec, result["ready_epoch"])
-    if "kill_epoch" in spec:  # --kill hard: die mid-load the way a SIGKILL from outside would
-        delay = max(0.0, float(spec["kill_epoch"]) - time.time())
-        threading.Timer(delay, os.kill, args=(os.getpid(), signal.SIGKILL)).start()
+    # The phase's load runs for load_s from here: a first start on a fresh node pays the JIT.
+    spec["stop_admitting_epoch"] = time.time() + float(spec["load_s"])
+    spec["end_epoch"] = spec["stop_admitting_epoch"] + float(spec["drain_s"])
 
     engine = llm.llm_engine
     tap = PrefillTap(engine.engine_core)
@@ -660,9 +657,9 @@ def run_load(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> No
     # are deprecated there).
     pre = getattr(llm, "_preprocess_cmpl_one", None)
 
-    def render(tokens: list[int]) -> Any:
+    def submit(request_id: str, tokens: list[int]) -> Any:
         prompt = TokensPrompt(prompt_token_ids=list(tokens))
-        return pre(prompt) if pre is not None else prompt
+        return engine.add_request(request_id, pre(prompt) if pre else prompt, params)
 
     rpc = llm.collective_rpc
 
@@ -675,12 +672,11 @@ def run_load(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> No
             fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
             fh.flush()
 
-        result["load"] = load.load_loop(engine, render, params, hash_rpc, tap.stats, spec, emit)
+        result["load"] = load.load_loop(submit, engine.step, hash_rpc, tap.stats, spec, emit)
     print(f"[gate] load {result['load']}", flush=True)
     if spec.get("l2"):
         # Keep the KV (read by the server through CUDA IPC) alive until the stores landed.
-        left = float(spec.get("exit_epoch", spec["end_epoch"])) - time.time()
-        wait = max(0.0, min(float(spec.get("l2_quiet_timeout", 15.0)), left))
+        wait = float(spec.get("l2_quiet_timeout", 15.0))
         result["l2_wait"] = _wait_l2(spec["l2"], 0, timeout=wait, server_log=spec.get("server_log"))
     result["ok"] = True
     out_path.write_text(json.dumps(result))
