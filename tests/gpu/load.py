@@ -37,6 +37,7 @@ import gate  # noqa: E402  (stdlib only: the gate's model configs and process he
 SCHEMA = "hybridfa-gpu-load/2"
 DRAIN_S = 25.0  # after its load an engine admits nothing and finishes what runs, this long
 REF_COPIES = 2  # times an engine hashes a computed prefix block (batches may differ)
+SEQUENCE_LEN = 50000  # requests a phase could admit: many more than it does
 NEW_TOKENS = 8  # >= 2: a request's KV is hashed at its first token, while it still runs
 Rec = dict[str, Any]
 Recs = Sequence[Rec]
@@ -331,9 +332,9 @@ def load_loop(
     while clock() < spec["end_epoch"]:
         while len(inflight) < spec["concurrency"] and clock() < spec["stop_admitting_epoch"]:
             i, idx = s["admitted"], seq[s["admitted"] % len(seq)]
-            rid = submit(f"{phase}-{i}", pool[idx])
-            inflight[f"{phase}-{i}"] = {"phase": phase, "seq": i, "pool": idx, "rid": rid}
-            inflight[f"{phase}-{i}"].update(P=len(pool[idx]), t_add=clock())
+            ext = f"{phase}-{i}"
+            inflight[ext] = {"phase": phase, "seq": i, "pool": idx, "P": len(pool[idx])}
+            inflight[ext].update(rid=submit(ext, pool[idx]), t_add=clock())
             s["admitted"] += 1
         if not inflight:
             break
@@ -394,7 +395,7 @@ def phase_spec(cfg: LoadConfig, model_dir: Path, port: int, phase: int, wd: Path
         "phase": phase,
         "pool": [list(e.tokens) for e in pool],
         "block_keys": [block_keys(e.tokens, n) for e in pool],
-        "sequence": request_sequence(pool, 50000, f"{w.seed}-{phase}", w.shared_fraction),
+        "sequence": request_sequence(pool, SEQUENCE_LEN, f"{w.seed}-{phase}", w.shared_fraction),
         "concurrency": cfg.concurrency,
         "block_size": n,
         "chunk": case.chunk,
