@@ -1,30 +1,19 @@
-"""One vLLM engine in a fresh process, for the restart gate (gate.py starts it).
+"""One vLLM engine in a fresh process: ``python tests/gpu/engine_proc.py SPEC.json OUT.json``.
 
-    python tests/gpu/engine_proc.py SPEC.json OUT.json
+SPEC (gate.engine_spec and friends) names the role: cold, store or restore (the restart gate),
+fault-store (fault_kill_mid_store.py: a store that also runs the health request and does not
+wait for L2) or load (load.py: many requests through LLMEngine, see ``load.load_loop``). OUT
+gets the result, with "ok" and, on failure, the traceback in "error". The parent sets
+VLLM_KV_CACHE_LAYOUT, VLLM_ENABLE_V1_MULTIPROCESSING=0 and PYTHONPATH (lmcache under test first).
 
-SPEC (written by gate.engine_spec): role cold|store|restore, model_dir, prompt/warmup/health
-token ids, engine knobs, optional "lmcache" connector settings, and for the store role the
-L2 folder to watch and "also_store" prompts; a restore spec may hold "warm_first" prompts
-(timed, before the measured one), a "cold_reference" (timed, after it) and "timed_pairs"
-(a restore and a cold prefill each, timed after that). Role
-fault-store (fault_kill_mid_store.py) is a store engine that runs the health request too
-and does not wait for L2; role load (load.py) keeps many requests in flight through
-LLMEngine and writes per-request records (see ``load.load_loop``). OUT gets a JSON result with
-"ok"; on failure "error" holds the traceback. The parent sets
-VLLM_KV_CACHE_LAYOUT, VLLM_ENABLE_V1_MULTIPROCESSING=0 and the PYTHONPATH (lmcache under
-test first).
-
-Worker-side helpers are plain functions handed to ``LLM.collective_rpc``; they receive
-the worker (or its WorkerWrapperBase, which forwards attributes) as ``self`` and import
-what they need inside, so they also pickle by value into TP worker processes.
+Worker-side helpers are plain functions for ``LLM.collective_rpc``: ``self`` is the worker (or
+its wrapper), and they import inside, so they pickle by value into TP workers.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -38,9 +27,7 @@ if str(HERE) not in sys.path:
 import gate  # noqa: E402  (stdlib only: the L2 folder helpers)
 import load  # noqa: E402  (stdlib only: the load role's request loop)
 
-# ---------------------------------------------------------------------------------------
-# Worker side (run through collective_rpc)
-# ---------------------------------------------------------------------------------------
+# --- worker side (run through collective_rpc) -------------------------------------------
 
 
 def _runner(self: Any) -> Any:
@@ -59,13 +46,9 @@ def _rank(self: Any) -> int:
 
 
 def _rpc_init_weights(self: Any, seed: int, std: float) -> dict[str, Any]:
-    """Re-initialise every parameter from a per-name seed: N(0, std), norms 1 + N(0, std).
-
-    Identical after every restart (CPU generator, seed from the parameter name), and
-    not the degenerate output of load_format="dummy" alone. A speculative drafter's own
-    parameters (an MTP layer) too, under "drafter."; those it shares with the target model
-    (embeddings, LM head) keep the target's values.
-    """
+    """Re-initialise every parameter from a per-name seed: N(0, std), norms 1 + N(0, std), so
+    identical after every restart and not load_format="dummy"'s degenerate output. A drafter's
+    own parameters (an MTP layer) too, as "drafter.*"; those it shares keep the target's."""
     import hashlib
 
     import torch
@@ -83,9 +66,8 @@ def _rpc_init_weights(self: Any, seed: int, std: float) -> dict[str, Any]:
             if p.data_ptr() in seen:
                 continue
             seen.add(p.data_ptr())
-            s = int.from_bytes(
-                hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little"
-            ) & ((1 << 63) - 1)
+            digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+            s = int.from_bytes(digest, "little") & ((1 << 63) - 1)
             gen = torch.Generator(device="cpu").manual_seed(s)
             val = torch.randn(tuple(p.shape), generator=gen, dtype=torch.float32) * std
             module, _, leaf = name.rpartition(".")
@@ -101,11 +83,8 @@ def _rpc_init_weights(self: Any, seed: int, std: float) -> dict[str, Any]:
 
 
 def _rpc_install_block_hook(self: Any) -> str:
-    """Record each live request's block table after every _update_states.
-
-    The worker drops finished requests from model_runner.requests, so the table of the
-    measured request is snapshotted while it runs, keyed by gate.prompt_key.
-    """
+    """Record each live request's block table after every _update_states, keyed by
+    gate.prompt_key: the worker drops a finished request's table."""
     mr = _runner(self)
     if getattr(mr, "_gate_blocks", None) is not None:
         return type(mr).__name__
@@ -132,14 +111,10 @@ def _rpc_install_block_hook(self: Any) -> str:
 def _rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
     """Per-layer, per-logical-block blake2b of the request's KV, layout independent.
 
-    FA (rank-4 FlashInfer tensor, logical shape (B_kernel, H, page, 2*hs), NHD or HND in
-    memory): logical block id L covers kernel pages L*r .. L*r+r-1; its token slots are
-    gathered in token order (N, H, 2*hs) and only the first k slots hashed, k = prompt
-    tokens inside that block. Every prompt block is hashed.
-    GDN ([conv_state, ssm_state] indexed by block id): only full prompt blocks j < P//N,
-    whose slot holds the align-mode checkpoint after (j+1)*N tokens. Null blocks (id 0)
-    are skipped: a restored request holds nulls below its hit.
-    """
+    FA (FlashInfer's (B_kernel, H, page, 2*hs), NHD or HND in memory): logical block L is
+    kernel pages L*r .. L*r+r-1, its token slots hashed in token order up to the prompt's end.
+    GDN ([conv_state, ssm_state] by block id): full prompt blocks j < P//N only, whose slot
+    holds the align-mode checkpoint after (j+1)*N tokens. Null blocks (id 0) are skipped."""
     mr = _runner(self)
     blocks = getattr(mr, "_gate_blocks", {}).get(key)
     if blocks is None:
@@ -147,12 +122,9 @@ def _rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
     return {"rank": _rank(self), **_hash_blocks(mr, blocks, prompt_tokens)}
 
 
-def _rpc_block_hashes(
-    self: Any, req_id: str, prompt_tokens: int, only: list[int]
-) -> dict[str, Any]:
-    """``_rpc_kv_hashes`` for a request that is still running, by vLLM's internal request id,
-    restricted to the prompt block indices in ``only`` (load.py hashes while the request
-    decodes, before its blocks can be freed and reused)."""
+def _rpc_block_hashes(self: Any, req_id: str, prompt_tokens: int, only: list[int]) -> dict:
+    """``_rpc_kv_hashes`` of the prompt blocks ``only`` of a running request, by vLLM's
+    internal id (load.py hashes before the blocks can be freed and reused)."""
     mr = _runner(self)
     st = getattr(mr, "requests", {}).get(req_id)
     if st is None:
@@ -165,69 +137,51 @@ def _rpc_block_hashes(
 def _hash_blocks(
     mr: Any, blocks: list[list[int]], prompt_tokens: int, only: set[int] | None = None
 ) -> dict[str, Any]:
-    """The hashing of ``_rpc_kv_hashes`` over a block table (one id list per KV cache
-    group); ``only``: hash just these prompt block indices (None: every block)."""
+    """``_rpc_kv_hashes`` over a block table (an id list per KV cache group)."""
     import hashlib
 
     import torch
 
     ctx = mr.compilation_config.static_forward_context
-    groups = mr.kv_cache_config.kv_cache_groups
     res: dict[str, Any] = {"fa": {}, "gdn": {}, "block_ids": blocks}
 
     def digest(t: torch.Tensor) -> str:
         data = t.contiguous().flatten().view(torch.uint8).cpu().numpy().tobytes()
         return hashlib.blake2b(data, digest_size=16).hexdigest()
 
-    def wanted(j: int) -> bool:
-        return only is None or j in only
-
     with torch.no_grad():
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        for gi, group in enumerate(groups):
+        for gi, group in enumerate(mr.kv_cache_config.kv_cache_groups):
             ids = blocks[gi] if gi < len(blocks) else []
-            n = int(group.kv_cache_spec.block_size)
-            res["block_size"] = n
+            n = res["block_size"] = int(group.kv_cache_spec.block_size)
             for layer in group.layer_names:
                 kv = ctx[layer].kv_cache
-                if isinstance(kv, (list, tuple)):  # GDN / Mamba state list
-                    out: dict[str, str] = {}
-                    for j in range(min(prompt_tokens // n, len(ids))):
-                        b = ids[j]
-                        if b == 0 or not wanted(j):
-                            continue
-                        out[str(j)] = digest(
-                            torch.cat([s[b].flatten().view(torch.uint8) for s in kv])
-                        )
-                    res["gdn"][layer] = out
+                gdn = isinstance(kv, (list, tuple))  # GDN / Mamba state list
+                nblocks = prompt_tokens // n if gdn else -(-prompt_tokens // n)
+                js = [j for j in range(min(nblocks, len(ids))) if only is None or j in only]
+                wanted = [(j, ids[j]) for j in js if ids[j] != 0]  # 0: the null block
+                if gdn:
+                    res["gdn"][layer] = {
+                        str(j): digest(torch.cat([s[b].flatten().view(torch.uint8) for s in kv]))
+                        for j, b in wanted
+                    }
                     continue
                 if kv.dim() != 4:
                     raise RuntimeError(f"{layer}: unexpected FA cache rank {kv.dim()}")
-                page = int(kv.shape[2])
+                page = res["kernel_page"] = int(kv.shape[2])
                 r = n // page
-                res["kernel_page"] = page
-                # Memory order of the logical (B, H, page, 2hs) view; with one kv head
-                # per rank the strides cannot tell, so report nothing.
+                # Memory order of the logical (B, H, page, 2hs) view; with one kv head per rank
+                # the strides cannot tell, so report nothing.
                 if kv.shape[1] > 1:
                     res["layout"] = "NHD" if kv.stride(2) > kv.stride(1) else "HND"
                 fa: dict[str, str] = {}
-                nblocks = -(-prompt_tokens // n)
-                for j in range(min(nblocks, len(ids))):
-                    b = ids[j]
-                    if b == 0 or not wanted(j):
-                        continue
-                    k = min(n, prompt_tokens - j * n)
+                for j, b in wanted:
                     pages = kv[b * r : (b + 1) * r]  # (r, H, page, 2hs)
                     tok = pages.permute(0, 2, 1, 3).reshape(r * page, kv.shape[1], kv.shape[3])
-                    fa[str(j)] = digest(tok[:k])
+                    fa[str(j)] = digest(tok[: min(n, prompt_tokens - j * n)])
                 res["fa"][layer] = fa
     return res
-
-
-# ---------------------------------------------------------------------------------------
-# Driver
-# ---------------------------------------------------------------------------------------
 
 
 def _wait_l2(
@@ -243,14 +197,8 @@ def _wait_l2(
 
 
 class PrefillTap:
-    """(local, external) cached prompt tokens per internal request id.
-
-    vLLM 0.26 attaches ``prefill_stats`` (num_local_cached_tokens: the engine's own prefix
-    cache; num_external_cached_tokens: the KV connector's, i.e. LMCache's) to a request's
-    first EngineCoreOutput, but RequestOutput only carries their sum. The tap wraps the
-    engine-core client's ``get_output`` (in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    and keeps the split.
-    """
+    """(local, external) cached prompt tokens per internal request id, from a request's first
+    EngineCoreOutput (RequestOutput has only their sum): wraps the core client's get_output."""
 
     def __init__(self, client: Any) -> None:
         self.stats: dict[str, tuple[int, int]] = {}
@@ -260,12 +208,9 @@ class PrefillTap:
     def _get_output(self) -> Any:
         outs = self._orig()
         for o in getattr(outs, "outputs", None) or []:
-            ps = getattr(o, "prefill_stats", None)
-            if ps is not None:
-                self.stats[o.request_id] = (
-                    int(ps.num_local_cached_tokens),
-                    int(ps.num_external_cached_tokens),
-                )
+            if (ps := getattr(o, "prefill_stats", None)) is not None:
+                split = (int(ps.num_local_cached_tokens), int(ps.num_external_cached_tokens))
+                self.stats[o.request_id] = split
         return outs
 
 
@@ -275,31 +220,19 @@ TAP: PrefillTap | None = None
 
 def _output(o: Any) -> dict[str, Any]:
     c = o.outputs[0]
-    steps = []
-    for d in c.logprobs or []:
-        steps.append({str(t): float(lp.logprob) for t, lp in d.items()})
     return {
         "tokens": list(c.token_ids),
-        "logprobs": steps,
+        "logprobs": [{str(t): float(lp.logprob) for t, lp in d.items()} for d in c.logprobs or []],
         "num_cached_tokens": getattr(o, "num_cached_tokens", None),
         "metrics": vars(o.metrics) if getattr(o, "metrics", None) is not None else None,
     }
 
 
 def _generate_timed(
-    llm: Any,
-    prompt: list[int],
-    params: Any,
-    steps: list[dict[str, float]] | None = None,
-    prefill: dict[str, Any] | None = None,
+    llm: Any, prompt: list[int], params: Any, steps: list | None = None, prefill: dict | None = None
 ) -> tuple[Any, float, float]:
-    """One request through LLMEngine's step loop: (final output, TTFT s, total s).
-
-    LLM.generate only returns the finished request, so its wall time includes every decode
-    step; the prefill the gate compares is the time to the first token. ``steps`` gets each
-    engine step's start and duration (s from t0, perf_counter); ``prefill`` gets the
-    request's local and external cached tokens (from the run's PrefillTap).
-    """
+    """One request through LLMEngine's step loop: (final output, TTFT s, total s). ``steps`` gets
+    each step's start and duration; ``prefill`` the request's local and external cached tokens."""
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
@@ -330,36 +263,27 @@ def _timed_summary(llm: Any, prompt: list[int], params: Any) -> dict[str, Any]:
     """TTFT, request time and prompt tokens served from a cache of one timed request."""
     split: dict[str, Any] = {}
     out, ttft, total = _generate_timed(llm, prompt, params, prefill=split)
-    return {
-        "ttft_s": ttft,
-        "gen_s": total,
-        "num_cached_tokens": getattr(out, "num_cached_tokens", None),
-        **split,
-    }
+    cached = getattr(out, "num_cached_tokens", None)
+    return {"ttft_s": ttft, "gen_s": total, "num_cached_tokens": cached, **split}
 
 
 def _scheduler_connector(llm: Any) -> Any:
-    """The scheduler-side KV connector of an in-process engine core
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0), None without one."""
+    """The scheduler-side KV connector of the in-process engine core, None without one."""
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
     return getattr(getattr(core, "scheduler", None), "connector", None)
 
 
 def _time_lookups(llm: Any, calls: list[dict[str, Any]]) -> bool:
-    """Record every call of the scheduler-side connector's lookup (in-process engine core:
-    VLLM_ENABLE_V1_MULTIPROCESSING=0). A lookup returns None tokens while LMCache is still
-    bringing the chunks into L1; the scheduler asks again on the next step."""
+    """Record every call of the scheduler-side connector's lookup. One returns None tokens
+    while LMCache still brings the chunks into L1; the scheduler asks again next step."""
     connector = _scheduler_connector(llm)
     if connector is None:
         return False
-    from torch.profiler import record_function
-
     lookup = connector.get_num_new_matched_tokens
 
     def timed(request: Any, num_computed_tokens: int) -> Any:
         t = time.perf_counter()
-        with record_function("hybridfa: connector lookup"):
-            res = lookup(request, num_computed_tokens)
+        res = lookup(request, num_computed_tokens)
         calls.append({"t": t, "s": time.perf_counter() - t, "tokens": res[0]})
         return res
 
@@ -370,12 +294,8 @@ def _time_lookups(llm: Any, calls: list[dict[str, Any]]) -> bool:
 def restore_timeline(
     t0: float, ttft: float, lookups: list[dict[str, Any]], steps: list[dict[str, float]]
 ) -> dict[str, Any]:
-    """Where a restore's time to first token went, from the engine's side.
-
-    wait_for_hit: from the request's arrival to the lookup that first returned a token
-    count (LMCache was reading L2 until then); after_hit: the load into vLLM's KV cache,
-    the recomputed tail and the first token.
-    """
+    """Where a restore's TTFT went: wait_for_hit, until the first lookup that returned tokens
+    (LMCache read L2 until then); after_hit, the load into vLLM, the tail and the first token."""
     answered = [c for c in lookups if c["tokens"] is not None]
     hit_at = answered[0]["t"] + answered[0]["s"] - t0 if answered else None
     return {
@@ -389,35 +309,6 @@ def restore_timeline(
         "steps": len(steps),
         "longest_step_s": max((st["s"] for st in steps), default=None),
     }
-
-
-def _profiled(spec: dict[str, Any], run_request: Any) -> tuple[Any, dict[str, Any] | None]:
-    """run_request() under torch.profiler when the spec names a profile_dir: a gzipped
-    Chrome trace and the top ops by host and by GPU time go there."""
-    out_dir = spec.get("profile_dir")
-    if not out_dir:
-        return run_request(), None
-    import gzip
-    import shutil
-
-    from torch.profiler import ProfilerActivity, profile
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        value = run_request()
-    trace = out / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    trace.unlink()
-    averages = prof.key_averages()
-    for key, name in (("self_cpu_time_total", "cpu"), ("self_device_time_total", "device")):
-        try:
-            (out / f"ops-by-{name}.txt").write_text(averages.table(sort_by=key, row_limit=30))
-        except (AttributeError, KeyError, ValueError) as e:
-            (out / f"ops-by-{name}.txt").write_text(f"no table: {type(e).__name__}: {e}\n")
-    return value, {"dir": str(out), "trace": f"{trace}.gz"}
 
 
 def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> Any:
@@ -463,17 +354,13 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
     result["engine_up_s"] = round(time.monotonic() - t_start, 2)
     result["cache_block_size"] = vc.cache_config.block_size
     result["mamba_page_size_padded"] = vc.cache_config.mamba_page_size_padded
-    print(
-        f"[gate] engine up in {result['engine_up_s']}s block_size={vc.cache_config.block_size}",
-        flush=True,
-    )
+    print(f"[gate] engine up in {result['engine_up_s']}s block_size={vc.cache_config.block_size}")
     return llm
 
 
 def _count_block_table_resyncs(llm: Any) -> dict[str, int] | None:
-    """Count how often patch 0003's tracker resync found vLLM's live block table changed
-    (a slot rewritten in place, not just appended): the speculative tail's moves and the
-    freed skipped blocks. None where the connector has no resync (pristine, no connector)."""
+    """Count patch 0003's tracker resyncs that found vLLM's block table rewritten in place (the
+    speculative tail's moves, freed skipped blocks); None without a resync (pristine)."""
     connector = _scheduler_connector(llm)
     module = sys.modules.get(type(connector).__module__) if connector is not None else None
     tracker = getattr(module, "LMCacheMPRequestTracker", None)
@@ -495,13 +382,29 @@ def _count_block_table_resyncs(llm: Any) -> dict[str, int] | None:
     return counts
 
 
-def _init_weights(llm: Any, spec: dict[str, Any], result: dict[str, Any]) -> None:
-    inits = [{"fingerprint": "dummy"}]  # weight_std null: keep the dummy weights (timing runs)
+def _start(spec: dict[str, Any], result: dict[str, Any]) -> Any:
+    """The engine with the spec's weights (weight_std null: the dummy weights, for timing)."""
+    llm = _build_llm(spec, result, time.monotonic())
+    inits = [{"fingerprint": "dummy"}]
     if spec.get("weight_std") is not None:
         args = (spec["weight_seed"], spec["weight_std"])
         inits = llm.collective_rpc(_rpc_init_weights, args=args)
     result["weights"] = inits
     result["weights_fingerprint"] = ",".join(i["fingerprint"] for i in inits)
+    return llm
+
+
+def _sampling(max_tokens: int, logprobs: int | None = None) -> Any:
+    from vllm import SamplingParams
+
+    greedy = {"temperature": 0.0, "detokenize": False, "ignore_eos": True}
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **greedy)
+
+
+def _generate(llm: Any, tokens: list[int], params: Any) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
 
 
 # Roles that run the health request after the measured one. fault-store is a store engine
@@ -510,69 +413,43 @@ def _init_weights(llm: Any, spec: dict[str, Any], result: dict[str, Any]) -> Non
 HEALTH_ROLES = ("restore", "cold", "fault-store")
 
 
-def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
-    t_start = time.monotonic()
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
+def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
+    """A gate role: the measured request and what the spec asks around it."""
     global TAP
-    llm = _build_llm(spec, result, t_start)
-    vc = llm.llm_engine.vllm_config
-    _init_weights(llm, spec, result)
+    llm = _start(spec, result)
     result["model_runner"] = llm.collective_rpc(_rpc_install_block_hook)[0]
     TAP = PrefillTap(llm.llm_engine.engine_core)
     resyncs = _count_block_table_resyncs(llm)
-
-    greedy = SamplingParams(
-        max_tokens=spec["new_tokens"],
-        temperature=0.0,
-        logprobs=spec["top_k"],
-        detokenize=False,
-        ignore_eos=True,
-    )
-    short = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True)
-
-    llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], short, use_tqdm=False)
+    greedy = _sampling(spec["new_tokens"], spec["top_k"])
+    _generate(llm, spec["warmup"], _sampling(2))
     for name, tokens in (spec.get("warm_first") or {}).items():
         result.setdefault("warm_first", {})[name] = _timed_summary(llm, tokens, greedy)
 
     lookups: list[dict[str, Any]] = []
     steps: list[dict[str, float]] = []
     timed_lookups = spec["role"] == "restore" and _time_lookups(llm, lookups)
-    e0 = time.time()
-    t0 = time.perf_counter()
+    e0, t0 = time.time(), time.perf_counter()
     split: dict[str, Any] = {}
-    (out, result["ttft_s"], result["gen_s"]), result["profile"] = _profiled(
-        spec, functools.partial(_generate_timed, llm, spec["prompt"], greedy, steps, split)
+    out, result["ttft_s"], result["gen_s"] = _generate_timed(
+        llm, spec["prompt"], greedy, steps, split
     )
     result["request_epoch"] = [e0, time.time()]
-    result.update(split)
     if timed_lookups:
         result["timeline"] = restore_timeline(t0, result["ttft_s"], lookups, steps)
-    result.update(_output(out))
-    print(
-        f"[gate] {spec['role']} ttft_s={result['ttft_s']:.3f} gen_s={result['gen_s']:.3f} "
-        f"cached={result['num_cached_tokens']} tokens={result['tokens'][:8]}",
-        flush=True,
-    )
+    result.update(**split, **_output(out))
+    print(f"[gate] {spec['role']} ttft_s={result['ttft_s']:.3f} cached={out.num_cached_tokens}")
 
-    hashes = [{"block_size": vc.cache_config.block_size}]  # kv_hashes false: timing runs
+    hashes = [{"block_size": result["cache_block_size"]}]  # kv_hashes false: timing runs
     if spec.get("kv_hashes", True):
         args = (spec["prompt_key"], len(spec["prompt"]))
         hashes = llm.collective_rpc(_rpc_kv_hashes, args=args)
     result["kv_hashes"] = hashes
-    h0 = hashes[0]
-    n = h0.get("block_size")
-    page = h0.get("kernel_page")
-    result["geometry"] = {
-        "block_size": n,
-        "kernel_page": page,
-        "ratio": (n // page) if n and page else None,
-    }
-    result["observed_layout"] = h0.get("layout")
+    n, page = hashes[0].get("block_size"), hashes[0].get("kernel_page")
+    ratio = n // page if n and page else None
+    result["geometry"] = {"block_size": n, "kernel_page": page, "ratio": ratio}
+    result["observed_layout"] = hashes[0].get("layout")
     if resyncs is not None:
-        result["block_table_resyncs"] = dict(resyncs)
-        print(f"[gate] {spec['role']} block-table resyncs (patch 0003): {resyncs}", flush=True)
+        result["block_table_resyncs"] = resyncs
 
     if spec.get("turn2_question"):
         # vLLM's own prefix cache serves turn 1's prompt and answer to turn 2.
@@ -582,10 +459,8 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
         split2: dict[str, Any] = {}
         out2, ttft2, _ = _generate_timed(llm, p2, turn2, prefill=split2)
         result["turn2"] = {"prompt_tokens": len(p2), "ttft_s": ttft2, **_output(out2), **split2}
-        result["turn2"]["kv_hashes"] = llm.collective_rpc(
-            _rpc_kv_hashes, args=(gate.prompt_key(p2), len(p2))
-        )
-        print(f"[gate] turn 2 prefix-cache hit {split2} of {len(p2)} tokens", flush=True)
+        args = (gate.prompt_key(p2), len(p2))
+        result["turn2"]["kv_hashes"] = llm.collective_rpc(_rpc_kv_hashes, args=args)
 
     if spec.get("cold_reference"):
         # The same prefill with nothing to restore, in this engine and under this load,
@@ -597,7 +472,7 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
         result.setdefault("timed_pairs", []).append(timed)
 
     for tokens in spec.get("also_store") or []:
-        llm.generate([TokensPrompt(prompt_token_ids=tokens)], short, use_tqdm=False)
+        _generate(llm, tokens, _sampling(2))
 
     if spec["role"] == "store" and spec.get("l2"):
         result["l2_wait"] = _wait_l2(
@@ -605,69 +480,38 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
         )
 
     if spec["role"] in HEALTH_ROLES:
-        t1 = time.perf_counter()
-        e1 = time.time()
+        t1, e1 = time.perf_counter(), time.time()
         try:
-            h = llm.generate(
-                [TokensPrompt(prompt_token_ids=spec["health"])],
-                SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True),
-                use_tqdm=False,
-            )
-            toks = list(h[0].outputs[0].token_ids)
+            toks = list(_generate(llm, spec["health"], _sampling(8)).outputs[0].token_ids)
             result["health"] = {"ok": len(toks) == 8, "tokens": toks, "s": time.perf_counter() - t1}
         except Exception as e:  # noqa: BLE001 - reported, judged by the gate
             result["health"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         result["health"]["epoch"] = [e1, time.time()]
-    result["ok"] = True
-    out_path.write_text(json.dumps(result))
-    print(f"[gate] {spec['role']} done in {time.monotonic() - t_start:.1f}s", flush=True)
-    # Graceful shutdown when it is quick; the watchdog ends a hung teardown.
-    threading.Timer(30.0, os._exit, args=(0,)).start()
-    del llm
+    return llm
 
 
-# ---------------------------------------------------------------------------------------
-# Role "load" (tests/gpu/load.py): many concurrent requests through LLMEngine
-# ---------------------------------------------------------------------------------------
-
-
-def run_load(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
-    t_start = time.monotonic()
-    from vllm import SamplingParams
+def run_load(spec: dict[str, Any], result: dict[str, Any]) -> Any:
+    """Role load: ``load.load_loop`` for ``load_s`` seconds from when the engine is ready,
+    then ``drain_s`` at most; one JSON line per finished request goes to records_path."""
     from vllm.inputs import TokensPrompt
 
-    llm = _build_llm(spec, result, t_start)
-    if result["cache_block_size"] != spec["block_size"]:
-        # load.py's block keys and hash ranges assume the gate's expected geometry
-        raise RuntimeError(
-            f"vLLM block size {result['cache_block_size']} != expected {spec['block_size']}"
-        )
-    _init_weights(llm, spec, result)
-    short = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True)
-    llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], short, use_tqdm=False)
-    result["ready_epoch"] = time.time()
-    result["deadline_shift_s"] = load.shift_deadlines(spec, result["ready_epoch"])
-    if "kill_epoch" in spec:  # --kill hard: die mid-load the way a SIGKILL from outside would
-        delay = max(0.0, float(spec["kill_epoch"]) - time.time())
-        threading.Timer(delay, os.kill, args=(os.getpid(), signal.SIGKILL)).start()
-
+    llm = _start(spec, result)
+    if (n := result["cache_block_size"]) != spec["block_size"]:  # load.py's block keys need it
+        raise RuntimeError(f"vLLM block size {n} != the expected {spec['block_size']}")
+    _generate(llm, spec["warmup"], _sampling(2))
+    spec["stop_admitting_epoch"] = time.time() + float(spec["load_s"])
+    spec["end_epoch"] = spec["stop_admitting_epoch"] + float(spec["drain_s"])
     engine = llm.llm_engine
     tap = PrefillTap(engine.engine_core)
-    params = SamplingParams(
-        max_tokens=spec["new_tokens"], temperature=0.0, detokenize=False, ignore_eos=True
-    )
-    # LLM.generate renders a prompt before LLMEngine.add_request; do the same (raw prompts
-    # are deprecated there).
-    pre = getattr(llm, "_preprocess_cmpl_one", None)
+    params = _sampling(spec["new_tokens"])
+    # LLMEngine.add_request takes a prompt rendered the way LLM.generate renders it.
+    render = getattr(llm, "_preprocess_cmpl_one", None) or (lambda prompt: prompt)
 
-    def render(tokens: list[int]) -> Any:
-        prompt = TokensPrompt(prompt_token_ids=list(tokens))
-        return pre(prompt) if pre is not None else prompt
-
-    rpc = llm.collective_rpc
+    def submit(request_id: str, tokens: list[int]) -> Any:
+        return engine.add_request(request_id, render(TokensPrompt(prompt_token_ids=tokens)), params)
 
     def hash_rpc(req_id: str, prompt_tokens: int, only: list[int]) -> list[dict[str, Any]]:
-        return rpc(_rpc_block_hashes, args=(req_id, prompt_tokens, only))
+        return llm.collective_rpc(_rpc_block_hashes, args=(req_id, prompt_tokens, only))
 
     with open(spec["records_path"], "a") as fh:
 
@@ -675,35 +519,34 @@ def run_load(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> No
             fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
             fh.flush()
 
-        result["load"] = load.load_loop(engine, render, params, hash_rpc, tap.stats, spec, emit)
-    print(f"[gate] load {result['load']}", flush=True)
+        result["load"] = load.load_loop(submit, engine.step, hash_rpc, tap.stats, spec, emit)
+    print(f"[gate] load {result['load']}")
     if spec.get("l2"):
         # Keep the KV (read by the server through CUDA IPC) alive until the stores landed.
-        left = float(spec.get("exit_epoch", spec["end_epoch"])) - time.time()
-        wait = max(0.0, min(float(spec.get("l2_quiet_timeout", 15.0)), left))
+        wait = float(spec.get("l2_quiet_timeout", 15.0))
         result["l2_wait"] = _wait_l2(spec["l2"], 0, timeout=wait, server_log=spec.get("server_log"))
-    result["ok"] = True
-    out_path.write_text(json.dumps(result))
-    print(f"[gate] load done in {time.monotonic() - t_start:.1f}s", flush=True)
-    threading.Timer(30.0, os._exit, args=(0,)).start()
-    del llm
+    return llm
 
 
 def main() -> None:
     spec_path, out_path = Path(sys.argv[1]), Path(sys.argv[2])
     spec = json.loads(spec_path.read_text())
     result: dict[str, Any] = {"role": spec["role"], "ok": False}
+    t0 = time.monotonic()
     try:
-        (run_load if spec["role"] == "load" else run)(spec, result, out_path)
+        llm = (run_load if spec["role"] == "load" else run)(spec, result)
+        result["ok"] = True
+        out_path.write_text(json.dumps(result))
+        print(f"[gate] {spec['role']} done in {time.monotonic() - t0:.1f}s", flush=True)
+        # Graceful shutdown when it is quick; the watchdog ends a hung teardown.
+        threading.Timer(30.0, os._exit, args=(0,)).start()
+        del llm
     except BaseException:  # noqa: BLE001 - the gate reads the traceback from OUT
-        result["ok"] = False
-        result["error"] = traceback.format_exc()[-6000:]
+        result.update(ok=False, error=traceback.format_exc()[-6000:])
         out_path.write_text(json.dumps(result))
         print(result["error"], file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(0 if result["ok"] else 1)
 
 
 if __name__ == "__main__":

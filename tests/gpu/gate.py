@@ -1,39 +1,38 @@
 """GPU restart gate: store -> kill engine and LMCache server -> restart both -> restore.
 
-Library and CLI. Every vLLM engine runs in a FRESH process (``engine_proc.py``), so a
-restore really reads what a previous process stored. One case is:
+Library and CLI. Every vLLM engine runs in a fresh process (``engine_proc.py``), so a restore
+really reads what a previous process stored. A case is three engines:
 
-1. cold     engine without LMCache: greedy tokens, top-k logprobs, wall time, health run;
-2. store    LMCache server 1 + engine: same prompt, KV hashes; waits until the chunks are
-            in the server's L2 folder; engine exits; server 1 is SIGKILLed;
-3. restore  LMCache server 2 on the same L2 folder (L1 empty) + a fresh engine: same
-            prompt, hit tokens, wall time, KV hashes, then a different (health) request.
+1. cold     without LMCache: greedy tokens, top-k logprobs, time to first token, health run;
+2. store    LMCache server 1 + engine: the same prompt and KV hashes; once the chunks are in
+            the L2 tier the engine exits and server 1 is SIGKILLed;
+3. restore  server 2 on the same tier (L1 empty) + a fresh engine: the same prompt, its hit,
+            TTFT and KV hashes, then another (health) request.
 
-Pass (per case):
-  (a) KV bytes of every prompt block after restore == the storing engine's
-      (FA: every prompt block, by token slot; GDN: the align-mode checkpoints that
-      both engines hold, which must include the restored one);
-  (b) greedy tokens equal, top-k logprobs equal within 1e-3 (max diff reported);
-  (c) external hit >= min(97 % of the prompt, floor((P-1)/C)*C) -- the second term
-      is the most a hybrid connector can promise: the last prompt token is always
-      recomputed, so an exact multiple of the chunk recomputes its final chunk;
-  (d) restore TTFT < cold prefill TTFT: medians of D_REPEATS each, timed in turn in the
-      restore engine (a different stored, resp. unstored, prompt of the same length each);
+A case passes when
+  (a) the KV bytes of every prompt block after the restore equal the storing engine's (FA:
+      every block, by token slot; GDN: the align-mode checkpoints both engines hold, which
+      must include the restored one);
+  (b) greedy tokens are equal and top-k logprobs within 1e-3;
+  (c) the external hit is >= min(97 % of the prompt, floor((P-1)/C)*C): a hybrid connector
+      always recomputes the last prompt token, so a prompt of whole chunks its last chunk;
+  (d) restore TTFT < cold prefill TTFT, medians of D_REPEATS each, timed in turn in the
+      restore engine (other stored, resp. unstored, prompts of the same length);
   (e) the health request completes.
-
-Usage on any CUDA box (see ``--help``)::
 
     python tests/gpu/gate.py --arm patched --lmcache-dir /tmp/lmc-patched \
         --out results/ --cases quick,deploy --jobs 4 --kv-cache-gib 4
 
-Only the standard library is imported here, so the helpers run (and are unit-tested)
-on a CPU machine; vLLM and torch are imported by ``engine_proc.py`` only.
+Only the standard library is imported here (the helpers are unit-tested on a CPU machine);
+vLLM and torch only in ``engine_proc.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -51,6 +50,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +87,7 @@ SERVER_BOOT = (
 )
 
 
-# ---------------------------------------------------------------------------------------
-# Tiny hybrid models and the geometry vLLM 0.26 derives from them
-# ---------------------------------------------------------------------------------------
+# --- tiny hybrid models and the geometry vLLM 0.26 derives from them --------------------
 
 
 @dataclass(frozen=True)
@@ -133,9 +131,7 @@ MODELS: dict[str, ModelSpec] = {
     "qwen35-r25": ModelSpec("qwen35-r25", "qwen3_5", 2, 256, 4, 48, 48, 128, 128, "float32"),
 }
 EXPECTED: dict[int, Geometry] = {
-    5: Geometry(80, 16, 5),
-    17: Geometry(544, 32, 17),
-    25: Geometry(1600, 64, 25),
+    r: Geometry(n, n // r, r) for n, r in ((80, 5), (544, 17), (1600, 25))
 }
 
 
@@ -145,22 +141,13 @@ def attn_bytes_per_token(m: ModelSpec, tp: int = 1) -> int:
 
 
 def mamba_page_bytes(m: ModelSpec, tp: int = 1, spec_tokens: int = 0) -> int:
-    """MambaSpec page of one GDN layer (conv state + temporal state), unpadded.
-
-    gated_delta_net_state_shape: conv (conv_dim/tp, kernel-1+num_spec), ssm (nv/tp, hv, hk).
-    """
-    conv_dim = (
-        2 * m.linear_num_key_heads * m.linear_key_head_dim
-        + m.linear_num_value_heads * m.linear_value_head_dim
-    )
+    """MambaSpec page of one GDN layer, unpadded (gated_delta_net_state_shape): conv state
+    (conv_dim/tp, kernel-1+num_spec) + temporal state (nv/tp, hv, hk)."""
+    keys, values = m.linear_num_key_heads, m.linear_num_value_heads
+    conv_dim = 2 * keys * m.linear_key_head_dim + values * m.linear_value_head_dim
     conv = (conv_dim // tp) * (m.conv_kernel - 1 + spec_tokens) * DTYPE_BYTES[m.kv_dtype]
-    ssm = (
-        (m.linear_num_value_heads // tp)
-        * m.linear_value_head_dim
-        * m.linear_key_head_dim
-        * DTYPE_BYTES[m.ssm_dtype]
-    )
-    return conv + ssm
+    ssm = (values // tp) * m.linear_value_head_dim * m.linear_key_head_dim
+    return conv + ssm * DTYPE_BYTES[m.ssm_dtype]
 
 
 def select_kernel_page(block_size: int, sizes: Sequence[int] = FLASHINFER_KERNEL_SIZES) -> int:
@@ -174,11 +161,9 @@ def select_kernel_page(block_size: int, sizes: Sequence[int] = FLASHINFER_KERNEL
 
 
 def expected_geometry(m: ModelSpec, tp: int = 1, spec_tokens: int = 0) -> Geometry:
-    """(N, kernel page, ratio) that vLLM 0.26 + FlashInfer (SM90) pick in align mode.
-
-    Platform._align_hybrid_block_size: align = max(min(kernel sizes), block_size=16),
-    N = align * cdiv(mamba_page, align * attn_bytes_per_token).
-    """
+    """(N, kernel page, ratio) that vLLM 0.26 + FlashInfer (SM90) pick in align mode
+    (Platform._align_hybrid_block_size): align = max(min(kernel sizes), block_size=16),
+    N = align * cdiv(mamba_page, align * attn_bytes_per_token)."""
     align = max(min(FLASHINFER_KERNEL_SIZES), DEFAULT_BLOCK_SIZE)
     page_bytes = mamba_page_bytes(m, tp, spec_tokens)
     n = align * math.ceil(page_bytes / (align * attn_bytes_per_token(m, tp)))
@@ -197,25 +182,14 @@ def model_config_dict(m: ModelSpec, mtp: bool = False) -> dict[str, Any]:
     ``mtp``: with one multi-token-prediction layer (Qwen3.5 only)."""
     if mtp and m.family != "qwen3_5":
         raise ValueError(f"{m.name}: only the Qwen3.5 family has an MTP layer here")
-    common: dict[str, Any] = {
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "intermediate_size": m.intermediate_size,
-        "num_hidden_layers": m.num_hidden_layers,
-        "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.num_kv_heads,
-        "linear_num_key_heads": m.linear_num_key_heads,
-        "linear_num_value_heads": m.linear_num_value_heads,
-        "linear_key_head_dim": m.linear_key_head_dim,
-        "linear_value_head_dim": m.linear_value_head_dim,
-        "linear_conv_kernel_dim": m.conv_kernel,
-        "layer_types": _layer_types(m),
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": m.kv_dtype,
-    }
+    same = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    same += ("num_attention_heads", "linear_num_key_heads", "linear_num_value_heads")
+    same += ("linear_key_head_dim", "linear_value_head_dim")
+    common: dict[str, Any] = {k: getattr(m, k) for k in same}
+    common.update(num_key_value_heads=m.num_kv_heads, linear_conv_kernel_dim=m.conv_kernel)
+    common.update(layer_types=_layer_types(m), max_position_embeddings=131072, rms_norm_eps=1e-6)
+    common.update(hidden_act="silu", tie_word_embeddings=False, torch_dtype=m.kv_dtype)
+    common.update(pad_token_id=0, eos_token_id=1)
     if m.family == "olmo_hybrid":
         if m.hidden_size != m.num_attention_heads * m.head_dim:
             raise ValueError("OlmoHybrid derives head_dim = hidden_size / num_attention_heads")
@@ -224,59 +198,34 @@ def model_config_dict(m: ModelSpec, mtp: bool = False) -> dict[str, Any]:
             "model_type": "olmo_hybrid",
             **common,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-            "pad_token_id": 0,
-            "eos_token_id": 1,
         }
-    if m.family == "qwen3_5":
-        rotary_half = int(m.head_dim * 0.25) // 2
-        third = rotary_half // 3
-        mrope = [rotary_half - 2 * third, third, third]
-        text = {
-            "model_type": "qwen3_5_text",
-            **common,
-            "head_dim": m.head_dim,
-            "mamba_ssm_dtype": m.ssm_dtype,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000000.0,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": mrope,
-                "mrope_interleaved": True,
-            },
-            "pad_token_id": 0,
-            "eos_token_id": 1,
-        }
-        if mtp:
-            text["mtp_num_hidden_layers"] = 1
-        vision = {
-            "model_type": "qwen3_5",
-            "depth": 1,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 2,
-            "in_channels": 3,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "out_hidden_size": m.hidden_size,
-            "num_position_embeddings": 64,
-            "deepstack_visual_indexes": [],
-        }
-        return {
-            "architectures": ["Qwen3_5ForConditionalGeneration"],
-            "model_type": "qwen3_5",
-            # vLLM's SpeculativeConfig reads n_predict from the top-level config
-            **({"mtp_num_hidden_layers": 1} if mtp else {}),
-            "text_config": text,
-            "vision_config": vision,
-            "image_token_id": m.vocab_size - 4,
-            "video_token_id": m.vocab_size - 3,
-            "vision_start_token_id": m.vocab_size - 2,
-            "vision_end_token_id": m.vocab_size - 1,
-            "tie_word_embeddings": False,
-            "torch_dtype": m.kv_dtype,
-        }
-    raise ValueError(f"unknown family {m.family}")
+    if m.family != "qwen3_5":
+        raise ValueError(f"unknown family {m.family}")
+    rotary_half = int(m.head_dim * 0.25) // 2
+    third = rotary_half // 3
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
+    rope.update(mrope_section=[rotary_half - 2 * third, third, third], mrope_interleaved=True)
+    text = {"model_type": "qwen3_5_text", **common, "head_dim": m.head_dim}
+    text.update(mamba_ssm_dtype=m.ssm_dtype, rope_parameters=rope)
+    # vLLM's SpeculativeConfig reads n_predict from the top-level config
+    mtp_layers = {"mtp_num_hidden_layers": 1} if mtp else {}
+    vision = {"model_type": "qwen3_5", "depth": 1, "hidden_size": 64, "intermediate_size": 128}
+    vision.update(num_heads=2, in_channels=3, patch_size=16, spatial_merge_size=2)
+    vision.update(temporal_patch_size=2, out_hidden_size=m.hidden_size)
+    vision.update(num_position_embeddings=64, deepstack_visual_indexes=[])
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        **mtp_layers,
+        "text_config": {**text, **mtp_layers},
+        "vision_config": vision,
+        "image_token_id": m.vocab_size - 4,
+        "video_token_id": m.vocab_size - 3,
+        "vision_start_token_id": m.vocab_size - 2,
+        "vision_end_token_id": m.vocab_size - 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": m.kv_dtype,
+    }
 
 
 def write_model_dir(m: ModelSpec, root: Path, mtp: bool = False) -> Path:
@@ -293,18 +242,13 @@ def atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-# ---------------------------------------------------------------------------------------
-# Prompts
-# ---------------------------------------------------------------------------------------
+# --- prompts ----------------------------------------------------------------------------
 
 
 def make_prompt(length: int, seed: int, key_len: int = KEY_LEN) -> list[int]:
-    """Deterministic random token ids with a key-like run buried in the middle.
-
-    The key is a run of ``key_len`` tokens drawn from a narrow id band (like a hex key
-    in a document), placed around the middle so that a later question token depends on
-    KV far back in the context.
-    """
+    """Deterministic random token ids with a key-like run (``key_len`` tokens from a narrow
+    id band, like a hex key in a document) around the middle: later tokens depend on KV far
+    back in the context."""
     rng = random.Random(f"hybridfa-gate-{seed}")
     toks = [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(length)]
     if length >= 4 * key_len:
@@ -314,27 +258,18 @@ def make_prompt(length: int, seed: int, key_len: int = KEY_LEN) -> list[int]:
     return toks
 
 
-def prompt_length(
-    block: int,
-    chunk: int,
-    exact: bool,
-    min_tokens: int = MIN_PROMPT_TOKENS,
-    hit_fraction: float = HIT_FRACTION,
-) -> int:
-    """Prompt length for a case.
-
-    exact: a multiple of the chunk (full-hit case). Otherwise m*chunk + r with r in the
-    middle of a block (not a multiple of N) and m large enough that the chunk-aligned
-    hit floor((P-1)/C)*C = m*C is at least ``hit_fraction`` of P.
-    """
+def prompt_length(block: int, chunk: int, exact: bool, min_tokens: int = MIN_PROMPT_TOKENS) -> int:
+    """A case's prompt length. exact: a multiple of the chunk (full-hit case). Otherwise m*C + r,
+    r in the middle of a block and m large enough that the chunk-aligned hit floor((P-1)/C)*C
+    = m*C is at least HIT_FRACTION of P."""
     m = max(2, math.ceil(min_tokens / chunk))
     if exact:
         return max(m, EXACT_MIN_CHUNKS) * chunk
     r = block // 2 + 7
     if r % block == 0:
         r += 1
-    m = max(m, math.ceil(r * hit_fraction / ((1 - hit_fraction) * chunk)))
-    while (m * chunk) < hit_fraction * (m * chunk + r):
+    m = max(m, math.ceil(r * HIT_FRACTION / ((1 - HIT_FRACTION) * chunk)))
+    while (m * chunk) < HIT_FRACTION * (m * chunk + r):
         m += 1
     return m * chunk + r
 
@@ -344,17 +279,12 @@ def max_promisable_hit(prompt_tokens: int, chunk: int) -> int:
     return (prompt_tokens - 1) // chunk * chunk
 
 
-def required_hit(
-    prompt_tokens: int,
-    chunk: int,
-    hit_fraction: float = HIT_FRACTION,
-    promisable: int | None = None,
-) -> int:
-    """(c)'s bar: ``hit_fraction`` of the prompt, or the most a hybrid connector can
-    promise (``promisable``; by default the chunks before the last prompt token)."""
+def required_hit(prompt_tokens: int, chunk: int, promisable: int | None = None) -> int:
+    """(c)'s bar: HIT_FRACTION of the prompt, or the most a hybrid connector can promise
+    (``promisable``; by default the chunks before the last prompt token)."""
     if promisable is None:
         promisable = max_promisable_hit(prompt_tokens, chunk)
-    return min(math.ceil(hit_fraction * prompt_tokens), promisable)
+    return min(math.ceil(HIT_FRACTION * prompt_tokens), promisable)
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -367,23 +297,13 @@ def _ttft(engine: dict[str, Any]) -> float | None:
     return engine.get("gen_s") if v is None else v
 
 
-def _cold_ttft(timed: dict[str, Any]) -> float | None:
-    """TTFT of a timed request meant to be cold; None if it hit any cache."""
-    if timed.get("ttft_s") is None or timed.get("num_cached_tokens"):
+def _timed_ttft(timed: dict[str, Any] | None, restored: bool) -> float | None:
+    """TTFT of a timed request meant to restore (``restored``) or to be cold; None if it
+    restored nothing, resp. hit any cache."""
+    timed = timed or {}
+    if timed.get("ttft_s") is None or bool(timed.get("num_cached_tokens")) != restored:
         return None
     return float(timed["ttft_s"])
-
-
-def _restored_ttft(timed: dict[str, Any]) -> float | None:
-    """TTFT of a timed request meant to restore; None if it restored nothing."""
-    if timed.get("ttft_s") is None or not timed.get("num_cached_tokens"):
-        return None
-    return float(timed["ttft_s"])
-
-
-def _cold_reference_ttft(restore: dict[str, Any]) -> float | None:
-    """TTFT of the restore engine's own cold prefill; None if it hit any cache."""
-    return _cold_ttft(restore.get("cold_reference") or {})
 
 
 def d_timings(restore: dict[str, Any]) -> tuple[list[float], list[float], list[str]]:
@@ -391,23 +311,18 @@ def d_timings(restore: dict[str, Any]) -> tuple[list[float], list[float], list[s
     (the measured one, then ``timed_pairs``) and every cold prefill of an unstored one (the
     cold reference, then the pairs'); plus problems (a repeat that missed or hit a cache)."""
     restores = [t] if (t := _ttft(restore)) is not None else []
-    colds = [t] if (t := _cold_reference_ttft(restore)) is not None else []
+    colds = [t] if (t := _timed_ttft(restore.get("cold_reference"), False)) is not None else []
     problems = []
     for i, pair in enumerate(restore.get("timed_pairs") or [], 1):
-        if (t := _restored_ttft(pair.get("restore") or {})) is None:
+        if (t := _timed_ttft(pair.get("restore"), True)) is None:
             problems.append(f"repeat {i}: its restore restored nothing")
         else:
             restores.append(t)
-        if (t := _cold_ttft(pair.get("cold") or {})) is None:
+        if (t := _timed_ttft(pair.get("cold"), False)) is None:
             problems.append(f"repeat {i}: its cold prefill hit a cache")
         else:
             colds.append(t)
     return restores, colds, problems
-
-
-def _first_restore_ttft(restore: dict[str, Any]) -> float | None:
-    """TTFT of the restore engine's first restore (another prompt, before the timed one)."""
-    return _restored_ttft((restore.get("warm_first") or {}).get("restore") or {})
 
 
 def prompt_key(tokens: Sequence[int]) -> str:
@@ -415,9 +330,7 @@ def prompt_key(tokens: Sequence[int]) -> str:
     return f"{len(tokens)}:" + ",".join(str(t) for t in tokens[:16])
 
 
-# ---------------------------------------------------------------------------------------
-# Cases
-# ---------------------------------------------------------------------------------------
+# --- cases ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -466,9 +379,8 @@ class Case:
         mtp = f"-mtp{self.spec_tokens}" if self.spec_tokens else ""
         turn = f"-turn{self.turn}" if self.turn != 1 else ""
         l2 = f"-{self.l2.replace('_', '')}" if self.l2 != "fs" else ""
-        return (
-            f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}{fa}{mbt}{mtp}{turn}{l2}{tp}"
-        )
+        head = f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}"
+        return f"{head}{fa}{mbt}{mtp}{turn}{l2}{tp}"
 
     def refused_by(self, arm: str) -> bool:
         """Whether the arm's server refuses this case's hybrid layout (patch 0021: the
@@ -497,32 +409,20 @@ class Case:
         if self.turn == 1:
             return max_promisable_hit(self.prompt_tokens, self.chunk)
         kv = self.prompt_tokens + self.answer_tokens - 1
-        return min(
-            kv // self.chunk * self.chunk, max_promisable_hit(self.turn2_prompt_tokens, self.chunk)
-        )
+        turn2 = max_promisable_hit(self.turn2_prompt_tokens, self.chunk)
+        return min(kv // self.chunk * self.chunk, turn2)
 
 
 def full_matrix(tp: int = 1) -> list[Case]:
     """Cartesian: 6 models x NHD/HND x chunk N/2N x exact/offset (48 cases)."""
-    return [
-        Case(m, lay, cb, ex, tp)
-        for m in MODELS
-        for lay in ("NHD", "HND")
-        for cb in (1, 2)
-        for ex in (False, True)
-    ]
+    dims = product(MODELS, ("NHD", "HND"), (1, 2), (False, True))
+    return [Case(m, lay, cb, ex, tp) for m, lay, cb, ex in dims]
 
 
 def all_matrix(tp: int = 1) -> list[Case]:
     """Covering subset: per model, NHD/C=N/offset, HND/C=2N/offset, NHD/C=2N/exact."""
-    out: list[Case] = []
-    for m in MODELS:
-        out += [
-            Case(m, "NHD", 1, False, tp),
-            Case(m, "HND", 2, False, tp),
-            Case(m, "NHD", 2, True, tp),
-        ]
-    return out
+    kinds = (("NHD", 1, False), ("HND", 2, False), ("NHD", 2, True))
+    return [Case(m, lay, cb, ex, tp) for m in MODELS for lay, cb, ex in kinds]
 
 
 def core_matrix(tp: int = 1) -> list[Case]:
@@ -547,10 +447,11 @@ def quick_matrix(tp: int = 1) -> list[Case]:
     ]
 
 
-def deployment_matrix(tp: int = 1) -> list[Case]:
+def deploy_matrix(tp: int = 1) -> list[Case]:
     """Where Qwen3.5/3.6 deployments go beyond the core matrix: chunk 3N and 4N,
     max_num_batched_tokens = N, and the FlashAttention backend (H100/H200's default)
     for both families and both layouts."""
+    fa = "FLASH_ATTN"
     return [
         Case("olmo-r5", "NHD", 3, False, tp),
         Case("qwen35-r5", "HND", 4, True, tp),
@@ -558,10 +459,10 @@ def deployment_matrix(tp: int = 1) -> list[Case]:
         Case("qwen35-r17", "NHD", 3, False, tp),
         Case("olmo-r5", "NHD", 1, False, tp, batched="N"),
         Case("qwen35-r17", "HND", 2, False, tp, batched="N"),
-        Case("olmo-r5", "NHD", 1, False, tp, backend="FLASH_ATTN"),
-        Case("olmo-r17", "HND", 2, True, tp, backend="FLASH_ATTN"),
-        Case("qwen35-r5", "HND", 2, False, tp, backend="FLASH_ATTN"),
-        Case("qwen35-r17", "NHD", 1, True, tp, backend="FLASH_ATTN"),
+        Case("olmo-r5", "NHD", 1, False, tp, backend=fa),
+        Case("olmo-r17", "HND", 2, True, tp, backend=fa),
+        Case("qwen35-r5", "HND", 2, False, tp, backend=fa),
+        Case("qwen35-r17", "NHD", 1, True, tp, backend=fa),
     ]
 
 
@@ -596,62 +497,46 @@ def l2_matrix(tp: int = 1) -> list[Case]:
     ]
 
 
+# The selectors' case sets; every case a selector can name is in full or a later one.
+CASE_SETS = (quick_matrix, core_matrix, all_matrix, full_matrix, deploy_matrix, mtp_matrix)
+CASE_SETS += (turn2_matrix, l2_matrix)
+
+
 def named_cases(tp: int = 1) -> list[Case]:
     """Every case a selector can name."""
-    return (
-        full_matrix(tp) + deployment_matrix(tp) + mtp_matrix(tp) + turn2_matrix(tp) + l2_matrix(tp)
-    )
+    return [c for f in CASE_SETS[3:] for c in f(tp)]
 
 
 def select_cases(selector: str, tp: int = 1) -> list[Case]:
     """Comma-separated: quick | core | all | full | deploy | mtp | turn2 | l2, case ids, or
     regexes over case ids."""
-    named = {
-        "quick": quick_matrix,
-        "core": core_matrix,
-        "all": all_matrix,
-        "full": full_matrix,
-        "deploy": deployment_matrix,
-        "mtp": mtp_matrix,
-        "turn2": turn2_matrix,
-        "l2": l2_matrix,
-    }
+    named = {f.__name__.removesuffix("_matrix"): f for f in CASE_SETS}
     pool = named_cases(tp)
     out: list[Case] = []
     for part in (p.strip() for p in selector.split(",") if p.strip()):
-        if part in named:
-            out += [c for c in named[part](tp) if c not in out]
-            continue
-        hits = [c for c in pool if c.case_id == part] or [
-            c for c in pool if re.fullmatch(part, c.case_id)
-        ]
+        hits = named[part](tp) if part in named else [c for c in pool if c.case_id == part]
+        hits = hits or [c for c in pool if re.fullmatch(part, c.case_id)]
         if not hits:
             raise ValueError(f"no case matches {part!r}")
         out += [c for c in hits if c not in out]
     return out
 
 
-# ---------------------------------------------------------------------------------------
-# Evaluation (pure)
-# ---------------------------------------------------------------------------------------
+# --- evaluation (pure) ------------------------------------------------------------------
 
 
 def compare_logprobs(
     a: Sequence[dict[str, float]], b: Sequence[dict[str, float]], tol: float = LOGPROB_TOL
 ) -> tuple[bool, float]:
     """Per step: same top-k token ids and |logprob diff| <= tol. Returns (ok, max diff)."""
-    if len(a) != len(b):
+    if len(a) != len(b) or any(set(sa) != set(sb) for sa, sb in zip(a, b, strict=True)):
         return False, math.inf
-    worst = 0.0
-    ok = True
-    for sa, sb in zip(a, b, strict=True):
-        if set(sa) != set(sb):
-            ok = False
-            worst = math.inf
-            continue
-        for tok, lp in sa.items():
-            worst = max(worst, abs(lp - sb[tok]))
-    return ok and worst <= tol, worst
+    steps = zip(a, b, strict=True)
+    worst = max((abs(lp - sb[t]) for sa, sb in steps for t, lp in sa.items()), default=0.0)
+    return worst <= tol, worst
+
+
+Result = dict[str, Any] | None  # an engine_proc result, None for an engine that did not run
 
 
 def _ranks(hashes: Sequence[dict[str, Any]] | None) -> dict[int, dict[str, Any]]:
@@ -663,24 +548,13 @@ def compare_kv_hashes(
     restore: Sequence[dict[str, Any]] | None,
     hit_tokens: int,
 ) -> dict[str, Any]:
-    """Criterion (a).
-
-    Each element is one TP rank's report from engine_proc's ``_rpc_kv_hashes``:
-    {"rank", "block_size", "fa": {layer: {block_index: hash}}, "gdn": {...}}.
-    FA: every prompt block the storing engine hashed must be present and equal after
-    restore. GDN: only align-mode checkpoints both engines still hold are comparable
-    (a restored request holds null blocks below its hit); they must be equal and must
-    include the restored checkpoint, block hit/N - 1.
-    """
-    res: dict[str, Any] = {
-        "fa_blocks": 0,
-        "fa_bad": 0,
-        "gdn_blocks": 0,
-        "gdn_bad": 0,
-        "gdn_hit_block_checked": hit_tokens <= 0,
-        "mismatches": [],
-        "problems": [],
-    }
+    """Criterion (a), over one report per TP rank from engine_proc's ``_rpc_kv_hashes``
+    ({"rank", "block_size", "fa": {layer: {block index: hash}}, "gdn": {...}}). FA: every
+    prompt block the storing engine hashed must be equal after the restore. GDN: only the
+    checkpoints both engines hold compare (a restored request holds null blocks below its
+    hit); they must be equal and include the restored one, block hit/N - 1."""
+    res: dict[str, Any] = dict.fromkeys(("fa_blocks", "fa_bad", "gdn_blocks", "gdn_bad"), 0)
+    res.update(gdn_hit_block_checked=hit_tokens <= 0, mismatches=[], problems=[])
     s_ranks, r_ranks = _ranks(store), _ranks(restore)
     if not s_ranks or set(s_ranks) != set(r_ranks):
         res["problems"].append(f"ranks differ: {sorted(s_ranks)} vs {sorted(r_ranks)}")
@@ -725,46 +599,31 @@ def connector_hit(result: dict[str, Any]) -> tuple[int, int]:
 
 
 def evaluate_case(
-    case: Case,
-    cold: dict[str, Any] | None,
-    store: dict[str, Any] | None,
-    restore: dict[str, Any] | None,
-    refused: bool = False,
+    case: Case, cold: Result, store: Result, restore: Result, refused: bool = False
 ) -> dict[str, Any]:
     """Criteria (a)-(e) plus validity checks, from the three engines' JSON results.
-
-    ``refused``: the server is meant to refuse the case's layout (``Case.refused_by``).
-    Then the restore must miss (c), give the stored prompt's tokens computed afresh (b),
-    and serve on (e); (a) and (d) do not apply."""
+    ``refused``: the server is meant to refuse the case's layout (``Case.refused_by``): then
+    the restore must miss (c), give the prompt's tokens computed afresh (b) and serve on
+    (e); (a) and (d) do not apply."""
     out: dict[str, Any] = {"errors": [], "refused": refused}
     for role, r in (("cold", cold), ("store", store), ("restore", restore)):
         if not r or not r.get("ok"):
             out["errors"].append(f"{role}: {(r or {}).get('error', 'no result')}"[:2000])
     if out["errors"]:
-        out["completed"] = False
-        out["pass"] = False
-        return out
+        return {**out, "completed": False, "pass": False}
     assert cold is not None and store is not None and restore is not None
     out["completed"] = True
     geo = case.geometry
     observed = restore.get("geometry") or {}
     out["observed_geometry"] = observed
-    geometry_ok = (
-        observed.get("block_size") == geo.block_size
-        and observed.get("kernel_page") == geo.kernel_page
-    )
-    fps = {
-        cold.get("weights_fingerprint"),
-        store.get("weights_fingerprint"),
-        restore.get("weights_fingerprint"),
-    }
-    weights_ok = len(fps) == 1 and None not in fps
-    layout_ok = all(r.get("observed_layout") in (case.layout, None) for r in (cold, store, restore))
-    if not geometry_ok:
+    engines = (cold, store, restore)
+    seen = (observed.get("block_size"), observed.get("kernel_page"))
+    if seen != (geo.block_size, geo.kernel_page):
         out["errors"].append(f"geometry {observed} != expected {asdict(geo)}")
-    if not weights_ok:
+    fps = {r.get("weights_fingerprint") for r in engines}
+    if len(fps) != 1 or None in fps:
         out["errors"].append(f"weights differ across restarts: {sorted(map(str, fps))}")
-    if not layout_ok:
+    if any(r.get("observed_layout") not in (case.layout, None) for r in engines):
         out["errors"].append("observed KV layout differs from the case's layout")
 
     # The reference for (a) and (b): the storing engine's own prompt; for turn 2, vLLM's
@@ -775,10 +634,8 @@ def evaluate_case(
     p = case.prompt_tokens if case.turn == 1 else case.turn2_prompt_tokens
     hit, local = connector_hit(restore)
     if local:
-        out["errors"].append(
-            f"the restore engine's own prefix cache served {local} tokens: "
-            "the restore was not a fresh engine's"
-        )
+        why = "the restore was not a fresh engine's"
+        out["errors"].append(f"the restore engine's own prefix cache served {local} tokens: {why}")
     if case.turn == 2:
         _, ref_local = connector_hit(reference)
         out["reference_prefix_cache_hit"] = ref_local
@@ -791,6 +648,7 @@ def evaluate_case(
         kv["problems"].append(f"KV hashes from {ranks} rank(s), expected {case.tp}")
         kv["match"] = False
     lp_ok, lp_diff = compare_logprobs(reference.get("logprobs") or [], restore["logprobs"])
+    health = restore.get("health", {})
     out.update(
         prompt_tokens=p,
         hit_tokens=hit,
@@ -801,22 +659,18 @@ def evaluate_case(
         cold_s=_ttft(cold),
         cold_same_engine_s=_median(cold_runs),
         cold_same_engine_runs_s=cold_runs,
-        first_restore_s=_first_restore_ttft(restore),
+        first_restore_s=_timed_ttft((restore.get("warm_first") or {}).get("restore"), True),
         kv=kv,
         bytes_match=kv["match"],
         tokens_match=reference.get("tokens") == restore["tokens"],
         logprobs_match=lp_ok,
         logprob_max_diff=lp_diff,
         cold_tokens_match_store=cold["tokens"] == store["tokens"],
-        health_ok=bool(restore.get("health", {}).get("ok")),
-        health_matches_cold=restore.get("health", {}).get("tokens")
-        == cold.get("health", {}).get("tokens"),
+        health_ok=bool(health.get("ok")),
+        health_matches_cold=health.get("tokens") == cold.get("health", {}).get("tokens"),
     )
     if refused:
-        out["a"] = out["d"] = None
-        out["b"] = out["tokens_match"] and lp_ok
-        out["c"] = hit == 0
-        out["e"] = out["health_ok"]
+        out.update(a=None, b=out["tokens_match"] and lp_ok, c=hit == 0, d=None, e=out["health_ok"])
         out["pass"] = not out["errors"] and all(out[k] for k in "bce")
         return out
     if hit == 0:
@@ -839,20 +693,14 @@ def evaluate_case(
     return out
 
 
-# ---------------------------------------------------------------------------------------
-# L2 folder inventory (fs adapter file names)
-# ---------------------------------------------------------------------------------------
+# --- L2 inventories ---------------------------------------------------------------------
 
 
 def parse_l2_filename(name: str) -> dict[str, Any] | None:
     """``<model>@0x<kv_rank>@<og hex>@<chunk hash>[@salt].data`` (fs_l2_adapter.py): the
     key's fields but the model."""
-    if not name.endswith(".data"):
-        return None
-    meta = l2_backends.parse_object_key(name[: -len(".data")])
-    if meta is not None:
-        del meta["model"]
-    return meta
+    meta = l2_backends.parse_object_key(name[: -len(".data")]) if name.endswith(".data") else None
+    return {k: v for k, v in meta.items() if k != "model"} if meta is not None else None
 
 
 def l2_inventory(root: Path, with_files: bool = False) -> dict[str, Any]:
@@ -862,20 +710,14 @@ def l2_inventory(root: Path, with_files: bool = False) -> dict[str, Any]:
     names: dict[str, int] = {}
     for p in Path(root).rglob("*"):
         try:
-            if not p.is_file():
-                continue
-            size = p.stat().st_size
+            meta = parse_l2_filename(p.name) if p.is_file() else None
+            size = p.stat().st_size if meta is not None else 0
         except FileNotFoundError:  # renamed or removed by a live server meanwhile
             continue
-        meta = parse_l2_filename(p.name)
-        if meta is None:
-            continue
-        l2_backends.tally(out, meta, size)
-        if with_files:
+        if meta is not None:
+            l2_backends.tally(out, meta, size)
             names[str(p.relative_to(root))] = size
-    if with_files:
-        out["files"] = names
-    return out
+    return {**out, "files": names} if with_files else out
 
 
 def tier_inventory(tier: str | Path) -> dict[str, Any]:
@@ -896,26 +738,12 @@ def expected_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
     return m.num_hidden_layers * n * attn_bytes_per_token(m, tp) * (chunk // n)
 
 
-# ---------------------------------------------------------------------------------------
-# Reporting
-# ---------------------------------------------------------------------------------------
+# --- reporting --------------------------------------------------------------------------
 
-TABLE_COLUMNS = (
-    "arm",
-    "case",
-    "model",
-    "N/page/ratio",
-    "layout",
-    "chunk",
-    "prompt tokens",
-    "hit %",
-    "restore TTFT s (warm, median / first in engine)",
-    "cold TTFT s (restore engine, median / cold engine)",
-    "bytes match",
-    "tokens match",
-    "logprobs match",
-    "pass",
-)
+TABLE_COLUMNS = ("arm", "case", "model", "N/page/ratio", "layout", "chunk", "prompt tokens")
+TABLE_COLUMNS += ("hit %", "restore TTFT s (warm, median / first in engine)")
+TABLE_COLUMNS += ("cold TTFT s (restore engine, median / cold engine)", "bytes match")
+TABLE_COLUMNS += ("tokens match", "logprobs match", "pass")
 
 
 def fmt(v: Any, digits: int = 3) -> str:
@@ -934,22 +762,20 @@ def table_row(arm: str, rec: dict[str, Any]) -> list[str]:
     g = rec["geometry"]
     lp = ev.get("logprobs_match")
     lp_s = None if lp is None else f"{fmt(lp)} ({fmt(ev.get('logprob_max_diff'))})"
-    return [
-        arm,
-        rec["case"],
-        rec["model"],
-        f"{g['block_size']}/{g['kernel_page']}/{g['ratio']}",
-        rec["layout"],
-        str(rec["chunk"]),
-        str(rec["prompt_tokens"]),
-        fmt(ev.get("hit_pct")),
-        " / ".join(fmt(v) for v in (ev.get("restore_s"), ev.get("first_restore_s")) if v) or "-",
-        " / ".join(fmt(v) for v in (ev.get("cold_same_engine_s"), ev.get("cold_s")) if v) or "-",
-        fmt(ev.get("bytes_match")),
-        fmt(ev.get("tokens_match")),
-        fmt(lp_s),
-        fmt(ev.get("pass")) if ev.get("completed") else "ERROR",
-    ]
+    restore = " / ".join(fmt(ev.get(k)) for k in ("restore_s", "first_restore_s") if ev.get(k))
+    cold = " / ".join(fmt(ev.get(k)) for k in ("cold_same_engine_s", "cold_s") if ev.get(k))
+    row = [arm, rec["case"], rec["model"], f"{g['block_size']}/{g['kernel_page']}/{g['ratio']}"]
+    row += [rec["layout"], str(rec["chunk"]), str(rec["prompt_tokens"]), fmt(ev.get("hit_pct"))]
+    # a refused layout restores nothing, so there are no bytes to compare
+    bytes_match = "-" if ev.get("refused") else fmt(ev.get("bytes_match"))
+    row += [restore or "-", cold or "-", bytes_match, fmt(ev.get("tokens_match"))]
+    if not ev.get("completed"):
+        result = "ERROR"
+    elif ev.get("refused"):
+        result = verdict(ev)
+    else:
+        result = fmt(ev.get("pass"))
+    return row + [fmt(lp_s), result]
 
 
 def markdown_report(report: dict[str, Any]) -> str:
@@ -967,20 +793,16 @@ def markdown_report(report: dict[str, Any]) -> str:
     for rec in report["cases"]:
         lines.append("| " + " | ".join(table_row(report["arm"], rec)) + " |")
     errs = [(r["case"], r.get("eval", {}).get("errors")) for r in report["cases"]]
-    errs = [(c, e) for c, e in errs if e]
-    if errs:
-        lines += ["", "## Errors", ""]
-        lines += [f"- {c}: {'; '.join(e)[:600]}" for c, e in errs]
-    return "\n".join(lines) + "\n"
+    errs = [f"- {c}: {'; '.join(e)[:600]}" for c, e in errs if e]
+    return "\n".join(lines + (["", "## Errors", "", *errs] if errs else [])) + "\n"
 
 
 def expected_separate_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
     """Bytes of one chunk with --separate-object-groups (patch 0013): the FA object of the
     whole chunk plus a GDN object holding the chunk's last block only."""
-    n = expected_geometry(m, tp).block_size
-    per_layer_block = n * attn_bytes_per_token(m, tp)
-    fa_layers = m.num_hidden_layers // 4  # 3:1 hybrid
-    return (fa_layers * (chunk // n) + m.num_hidden_layers - fa_layers) * per_layer_block
+    n, fa_layers = expected_geometry(m, tp).block_size, m.num_hidden_layers // 4  # 3:1 hybrid
+    blocks = fa_layers * (chunk // n) + m.num_hidden_layers - fa_layers
+    return blocks * n * attn_bytes_per_token(m, tp)
 
 
 def object_group_means(inventory: dict[str, Any]) -> dict[str, float]:
@@ -992,8 +814,7 @@ def object_group_means(inventory: dict[str, Any]) -> dict[str, float]:
 def chunk_bytes_of(inventory: dict[str, Any]) -> float | None:
     """L2 bytes of one chunk from an ``l2_inventory``: the mean object size, summed over
     object groups when FA and GDN objects are written apart (patch 0013's option)."""
-    means = object_group_means(inventory)
-    if len(means) > 1:
+    if len(means := object_group_means(inventory)) > 1:
         return sum(means.values())
     return inventory["bytes"] / inventory["objects"] if inventory.get("objects") else None
 
@@ -1013,18 +834,13 @@ def chunk_bytes_table(
     with --separate-object-groups (a chunk is an FA object and a one-block GDN object)."""
     seen: dict[tuple[str, int], dict[str, float]] = {}
     for (arm, _), recs in sorted(runs.items()):
-        per = chunk_bytes_of(recs[0].get("l2_after_store") or {}) or recs[0].get(
-            "l2_bytes_per_object"
-        )
-        if per:
-            seen.setdefault((recs[0]["model"], recs[0]["chunk"]), {}).setdefault(arm, per)
+        rec = recs[0]
+        if per := chunk_bytes_of(rec.get("l2_after_store") or {}) or rec.get("l2_bytes_per_object"):
+            seen.setdefault((rec["model"], rec["chunk"]), {}).setdefault(arm, per)
     expected = expected_separate_chunk_bytes if separate else expected_chunk_bytes
-    lines = [
-        "| model | N/page/r | chunk | patched expected | patched L2 object"
-        + ("s (FA + GDN)" if separate else "")
-        + " | pristine expected | pristine L2 object | pristine / patched |",
-        "|" + "---|" * 8,
-    ]
+    patched_head = "patched L2 objects (FA + GDN)" if separate else "patched L2 object"
+    head = f"| model | N/page/r | chunk | patched expected | {patched_head} | pristine expected "
+    lines = [head + "| pristine L2 object | pristine / patched |", "|" + "---|" * 8]
     for (model, chunk), arms in sorted(seen.items()):
         m, g = MODELS[model], expected_geometry(MODELS[model])
         patched, pristine = arms.get("patched"), arms.get("pristine")
@@ -1105,20 +921,28 @@ def hybridfa_revision(report: dict[str, Any]) -> int:
     return int(tail) if tail.isdigit() else 0
 
 
+def _times(ev: dict[str, Any]) -> str:
+    return f"{fmt(ev.get('restore_s'))} / {fmt(ev.get('cold_same_engine_s'))}"
+
+
+SPLIT_NOTE = (
+    " A patched chunk is two objects, each with a trailer: FA for the whole chunk, GDN for its"
+    " last block."
+)
+
+
 def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
     """The full matrix, one row per case, from gate reports of both arms (given oldest
     first): each arm's first completed run, and the verdicts of any later runs."""
     patched_args = {tuple(r.get("server_args") or ()) for r in reports if r["arm"] == "patched"}
     if len(patched_args) > 1:
+        why = "make one matrix per server configuration"
         raise ValueError(
-            f"patched reports ran with different server args {sorted(patched_args)}: "
-            "make one matrix per server configuration"
+            f"patched reports ran with different server args {sorted(patched_args)}: {why}"
         )
-    server_args = next(iter(patched_args), ())
     # From revision 10 every hybrid chunk is an FA object plus a one-block GDN object.
-    split = "--separate-object-groups" in server_args or any(
-        hybridfa_revision(r) >= 10 for r in reports if r["arm"] == "patched"
-    )
+    split = "--separate-object-groups" in next(iter(patched_args), ())
+    split |= any(hybridfa_revision(r) >= 10 for r in reports if r["arm"] == "patched")
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rep in reports:
         for rec in rep.get("cases", []):
@@ -1126,43 +950,28 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
                 runs.setdefault((rep["arm"], rec["case"]), []).append(rec)
 
     def later(arm: str, case: str) -> str:
-        recs = runs.get((arm, case), [])[1:]
-        return "".join(
-            f"; rerun: {verdict(r['eval'])} ({fmt(r['eval'].get('restore_s'))} / "
-            f"{fmt(r['eval'].get('cold_same_engine_s'))})"
-            for r in recs
-        )
+        evs = [r["eval"] for r in runs.get((arm, case), [])[1:]]
+        return "".join(f"; rerun: {verdict(ev)} ({_times(ev)})" for ev in evs)
 
     lines = ["# GPU restart gate: the full matrix", "", "Reports (oldest first):", ""]
     for rep in reports:
         v = rep.get("versions") or {}
         gpus = (rep.get("hardware") or {}).get("gpus") or []
+        args = f"; server args {' '.join(rep['server_args'])}" if rep.get("server_args") else ""
         lines.append(
             f"- {rep['arm']} {rep['date']}: lmcache {v.get('lmcache_dist', '?')}, vllm "
             f"{v.get('vllm', '?')}, torch {v.get('torch', '?')}, flashinfer "
             f"{v.get('flashinfer', '?')}; {len(gpus)} x {gpus[0] if gpus else '?'}; "
-            f"{len(rep.get('cases', []))} cases"
-            + (f"; server args {' '.join(rep['server_args'])}" if rep.get("server_args") else "")
+            f"{len(rep.get('cases', []))} cases{args}"
         )
-    head = (
-        "case",
-        "N/page/r",
-        "layout",
-        "chunk",
-        "prompt",
-        "patched: hit %, blocks equal, tokens / logprobs",
-        "patched restore / cold TTFT s",
-        "patched",
-        "pristine: hit %, blocks equal",
-        "pristine",
-    )
+    head = ("case", "N/page/r", "layout", "chunk", "prompt")
+    head += ("patched: hit %, blocks equal, tokens / logprobs", "patched restore / cold TTFT s")
+    head += ("patched", "pristine: hit %, blocks equal", "pristine")
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     tally = {arm: {"ran": 0, "pass": 0, "a": 0} for arm in ("patched", "pristine")}
-    ran_deployment = [
-        c
-        for c in named_cases(tp)[len(full_matrix(tp)) :]
-        if any((arm, c.case_id) in runs for arm in ("patched", "pristine"))
-    ]
+    beyond = named_cases(tp)[len(full_matrix(tp)) :]
+    ran = {case for arm, case in runs if arm in ("patched", "pristine")}
+    ran_deployment = [c for c in beyond if c.case_id in ran]
     for case in full_matrix(tp) + ran_deployment:
         cid, g = case.case_id, case.geometry
         row = [cid, f"{g.block_size}/{g.kernel_page}/{g.ratio}", case.layout]
@@ -1179,8 +988,7 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
             seen = f"{fmt(ev.get('hit_pct'))}, {restored_blocks(ev)}"
             if arm == "patched":
                 out = "equal" if ev.get("tokens_match") and ev.get("logprobs_match") else "differ"
-                times = f"{fmt(ev.get('restore_s'))} / {fmt(ev.get('cold_same_engine_s'))}"
-                row += [f"{seen}, {out}", times, verdict(ev) + later(arm, cid)]
+                row += [f"{seen}, {out}", _times(ev), verdict(ev) + later(arm, cid)]
             else:
                 row += [seen, verdict(ev) + later(arm, cid)]
         lines.append("| " + " | ".join(row) + " |")
@@ -1195,28 +1003,17 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
         "## Bytes per L2 chunk object",
         "",
         "Patched objects carry patch 0006's 40-byte trailer; pristine moves 1 FA kernel page "
-        "of r per block (HND pristine cases store nothing)."
-        + (
-            " A patched chunk is two objects, each with a trailer: "
-            "FA for the whole chunk, GDN for its last block."
-            if split
-            else ""
-        ),
+        "of r per block (HND pristine cases store nothing)." + (SPLIT_NOTE if split else ""),
         "",
         *chunk_bytes_table(runs, separate=split),
     ]
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------------------------------
-# Processes
-# ---------------------------------------------------------------------------------------
+# --- processes --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+free_port = l2_backends.free_port
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -1265,10 +1062,8 @@ def install_cleanup_handler() -> None:
 
     def handler(signum: int, _frame: Any) -> None:
         for pgid in list(LIVE_GROUPS):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         os._exit(124)
 
     signal.signal(signal.SIGTERM, handler)
@@ -1276,19 +1071,13 @@ def install_cleanup_handler() -> None:
 
 
 def kill_group(proc: subprocess.Popen[Any]) -> None:
-    """SIGKILL the process group we created with start_new_session=True (pgid == pid).
-
-    Also after the leader exited on its own: children it left (TP workers, a server's
-    helpers) are still in that group. Call right after the wait, never later.
-    """
-    try:
+    """SIGKILL the process group we created with start_new_session=True (pgid == pid), also
+    after the leader exited on its own: children it left (TP workers, a server's helpers)
+    are still in that group. Call right after the wait, never later."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
     LIVE_GROUPS.discard(proc.pid)
 
 
@@ -1320,26 +1109,11 @@ def start_server(
     l1_size_gb: float = 4,
     extra_args: Sequence[str] = (),
 ) -> subprocess.Popen[Any]:
-    cmd = [
-        py,
-        "-c",
-        SERVER_BOOT,
-        "server",
-        "--chunk-size",
-        str(chunk),
-        "--l1-size-gb",
-        f"{l1_size_gb:g}",
-        "--eviction-policy",
-        "LRU",
-        "--port",
-        str(port),
-        "--http-port",
-        str(free_port()),
-        "--l2-adapter",
-        json.dumps(l2_backends.adapter_json("fs", l2) if isinstance(l2, Path) else l2),
-        *extra_args,
-        *extra_server_args(),
-    ]
+    adapter = l2_backends.adapter_json("fs", l2) if isinstance(l2, Path) else l2
+    cmd = [py, "-c", SERVER_BOOT, "server", "--chunk-size", str(chunk)]
+    cmd += ["--l1-size-gb", f"{l1_size_gb:g}", "--eviction-policy", "LRU", "--port", str(port)]
+    cmd += ["--http-port", str(free_port()), "--l2-adapter", json.dumps(adapter)]
+    cmd += [*extra_args, *extra_server_args()]
     fh = open(log, "w")  # noqa: SIM115 - handed to the child
     proc = spawn(cmd, fh, env)
     fh.close()
@@ -1364,15 +1138,9 @@ def lost_port_race(log: Path) -> bool:
 
 
 def run_engine(
-    py: str,
-    env: dict[str, str],
-    spec: dict[str, Any],
-    workdir: Path,
-    role: str,
-    timeout: float,
+    py: str, env: dict[str, str], spec: dict[str, Any], workdir: Path, role: str, timeout: float
 ) -> dict[str, Any]:
-    spec_path = workdir / f"{role}.spec.json"
-    out_path = workdir / f"{role}.json"
+    spec_path, out_path = workdir / f"{role}.spec.json", workdir / f"{role}.json"
     log = workdir / f"{role}.log"
     spec_path.write_text(json.dumps(spec))
     t0 = time.monotonic()
@@ -1380,25 +1148,18 @@ def run_engine(
         out_path.unlink(missing_ok=True)
         with open(log, "w") as fh:
             proc = spawn([py, str(ENGINE_PROC), str(spec_path), str(out_path)], fh, env)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                kill_group(proc)
-            else:
-                kill_group(proc)  # leftovers (TP workers) of an engine that exited
-        res: dict[str, Any]
-        try:
+            kill_group(proc)  # a hung engine, or the leftovers (TP workers) of one that exited
+        res: dict[str, Any] = {"ok": False}
+        with contextlib.suppress(OSError, ValueError):
             res = json.loads(out_path.read_text())
-        except (OSError, ValueError):
-            res = {"ok": False}
         if res.get("ok") or attempt == 2 or not lost_port_race(log):
             break
         log.rename(workdir / f"{role}.port-race.log")
     if not res.get("ok"):
         res.setdefault("error", f"rc={proc.returncode}; log tail:\n{tail(log)}")
-    res["attempts"] = attempt
-    res["process_s"] = round(time.monotonic() - t0, 2)
-    res["rc"] = proc.returncode
+    res.update(attempts=attempt, process_s=round(time.monotonic() - t0, 2), rc=proc.returncode)
     res["log_facts"] = engine_log_facts(log.read_text(errors="replace") if log.exists() else "")
     return res
 
@@ -1412,13 +1173,8 @@ _LOG_FACTS = {
 
 
 def engine_log_facts(text: str) -> dict[str, Any]:
-    facts: dict[str, Any] = {}
-    for key, rx in _LOG_FACTS.items():
-        found = rx.findall(text)
-        if found:
-            facts[key] = found[-1]
-    facts["tracebacks"] = text.count("Traceback (most recent call last)")
-    return facts
+    facts = {key: found[-1] for key, rx in _LOG_FACTS.items() if (found := rx.findall(text))}
+    return {**facts, "tracebacks": text.count("Traceback (most recent call last)")}
 
 
 STORE_FAILED = "Cannot store keys due to exception"
@@ -1459,11 +1215,8 @@ def wait_l2_stable(
     server_log: Path | None = None,
 ) -> dict[str, Any]:
     """Wait until the L2 tier (``tier_inventory``) holds >= min_objects and stops changing
-    for ``quiet`` s.
-
-    Gives up early once the tier is quiet and ``server_log`` shows failed stores (pristine
-    0.5.3 under HND fails every store): the missing objects will never come.
-    """
+    for ``quiet`` s; give up early once it is quiet and ``server_log`` shows failed stores
+    (pristine 0.5.3 under HND fails every store): the missing objects will never come."""
     deadline = time.monotonic() + timeout
     last = tier_inventory(tier)
     since = time.monotonic()
@@ -1481,9 +1234,7 @@ def wait_l2_stable(
     return {**last, "stable": False}
 
 
-# ---------------------------------------------------------------------------------------
-# One case, many cases
-# ---------------------------------------------------------------------------------------
+# --- one case, many cases ---------------------------------------------------------------
 
 
 @dataclass
@@ -1569,16 +1320,11 @@ D_REPEATS = 1 + len(D_REPEAT_SEEDS)
 
 
 def store_spec(
-    case: Case,
-    model_dir: Path,
-    rc: RunConfig,
-    port: int,
-    l2: Path | str,
-    server_log: Path | None = None,
+    case: Case, model_dir: Path, rc: RunConfig, port: int, l2: Path | str, log: Path | None = None
 ) -> dict[str, Any]:
     """The store engine's spec: the measured prompt, then prompts of the same length for
     the restore engine to restore before it (warm-up) and after it ((d)'s repeats)."""
-    spec = engine_spec(case, "store", model_dir, rc, port, l2, server_log)
+    spec = engine_spec(case, "store", model_dir, rc, port, l2, log)
     seeds = (WARM_RESTORE_SEED, *(r for r, _ in D_REPEAT_SEEDS))
     spec["also_store"] = [make_prompt(case.prompt_tokens, seed=s) for s in seeds]
     spec["l2_min_objects"] += len(seeds) * (case.prompt_tokens // case.chunk) * case.tp
@@ -1593,14 +1339,12 @@ def turn2_prompt(case: Case, answer: Sequence[int]) -> list[int]:
 def restore_spec(
     case: Case, model_dir: Path, rc: RunConfig, port: int, answer: Sequence[int] = ()
 ) -> dict[str, Any]:
-    """The restore engine's spec. A fresh engine's first request of a new length paid
-    0.7-2.5 s more on the H200 (2026-11-29; Triton compiling and autotuning GDN kernels per
-    shape, most likely), so before the timed restore it restores store_spec's second prompt
-    and cold-prefills a third; the cold reference for (d) follows the timed restore, then
-    the repeats: a restore of another stored prompt and a cold prefill, D_REPEATS - 1 times.
-
+    """The restore engine's spec. A fresh engine's first request of a new length paid 0.7-2.5 s
+    more on the H200 (2026-11-29; Triton compiling and autotuning GDN kernels per shape, most
+    likely), so before the timed restore it restores store_spec's second prompt and
+    cold-prefills a third; (d)'s cold reference follows the timed restore, then the repeats.
     A turn-2 case restores turn 2 (``answer``: turn 1's tokens) and times a cold prefill of
-    the same length; its repeats are turn-1 prompts, restores and cold prefills alike."""
+    its length; its repeats are turn-1 prompts."""
     p = case.prompt_tokens
     spec = engine_spec(case, "restore", model_dir, rc, port, None)
     cold_reference = make_prompt(p, seed=4)
@@ -1608,33 +1352,20 @@ def restore_spec(
         prompt = turn2_prompt(case, answer)
         spec.update(prompt=prompt, prompt_key=prompt_key(prompt), new_tokens=NEW_TOKENS)
         cold_reference = make_prompt(len(prompt), seed=4)
+    pairs = [(WARM_RESTORE_SEED, 5), *D_REPEAT_SEEDS]
+    timed = [{"restore": make_prompt(p, seed=r), "cold": make_prompt(p, seed=c)} for r, c in pairs]
     return {
         **spec,
-        "warm_first": {
-            "restore": make_prompt(p, seed=WARM_RESTORE_SEED),
-            "cold": make_prompt(p, seed=5),
-        },
+        "warm_first": timed[0],
         "cold_reference": cold_reference,
-        "timed_pairs": [
-            {"restore": make_prompt(p, seed=r), "cold": make_prompt(p, seed=c)}
-            for r, c in D_REPEAT_SEEDS
-        ],
+        "timed_pairs": timed[1:],
     }
 
 
 def cold_key(case: Case) -> tuple[Any, ...]:
     """What a cold engine's results depend on (the chunk only through turn 1's length)."""
-    return (
-        case.model,
-        case.prompt_tokens,
-        case.layout,
-        case.tp,
-        case.backend,
-        case.max_num_batched_tokens,
-        case.spec_tokens,
-        case.answer_tokens,
-        case.turn,
-    )
+    keys = ("model", "prompt_tokens", "layout", "tp", "backend", "max_num_batched_tokens")
+    return tuple(getattr(case, k) for k in (*keys, "spec_tokens", "answer_tokens", "turn"))
 
 
 def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
@@ -1648,35 +1379,18 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     refused = case.refused_by(rc.arm)
     model_dir = write_model_dir(case.spec, rc.work / "models", mtp=case.spec_tokens > 0)
     env = child_env(rc.lmcache_dir, case.layout)
-    rec: dict[str, Any] = {
-        "case": case.case_id,
-        "model": case.model,
-        "family": case.spec.family,
-        "geometry": asdict(g),
-        "layout": case.layout,
-        "chunk": case.chunk,
-        "prompt_tokens": case.prompt_tokens,
-        "tp": case.tp,
-        "chunk_blocks": case.chunk_blocks,
-        "attention_backend": case.backend,
-        "max_num_batched_tokens": case.max_num_batched_tokens,
-        "spec_tokens": case.spec_tokens,
-        "turn": case.turn,
-        "l2_adapter": case.l2,
-        "expect_refusal": refused,
-        "expected_chunk_bytes": expected_chunk_bytes(case.spec, case.chunk, case.tp),
-    }
-    cold = cold_runs.get_or_run(
-        cold_key(case),
-        lambda: run_engine(
-            rc.python,
-            env,
-            engine_spec(case, "cold", model_dir, rc, None, None),
-            wd,
-            "cold",
-            rc.engine_timeout,
-        ),
+    rec: dict[str, Any] = {"case": case.case_id, "model": case.model, "family": case.spec.family}
+    rec.update(geometry=asdict(g), layout=case.layout, chunk=case.chunk)
+    rec.update(prompt_tokens=case.prompt_tokens, tp=case.tp, chunk_blocks=case.chunk_blocks)
+    rec.update(attention_backend=case.backend, max_num_batched_tokens=case.max_num_batched_tokens)
+    rec.update(spec_tokens=case.spec_tokens, turn=case.turn, l2_adapter=case.l2)
+    rec["expect_refusal"] = refused
+    rec["expected_chunk_bytes"] = expected_chunk_bytes(case.spec, case.chunk, case.tp)
+    cold_spec = engine_spec(case, "cold", model_dir, rc, None, None)
+    run_cold = functools.partial(
+        run_engine, rc.python, env, cold_spec, wd, "cold", rc.engine_timeout
     )
+    cold = cold_runs.get_or_run(cold_key(case), run_cold)
     store = restore = None
     servers: list[subprocess.Popen[Any]] = []
     redis: l2_backends.RedisServer | None = None
@@ -1696,13 +1410,11 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         if refused:
             sspec["l2_min_objects"] = 0
         store = run_engine(rc.python, env, sspec, wd, "store", rc.engine_timeout)
-        rec["l2_after_store"] = wait_l2_stable(
-            tier, sspec["l2_min_objects"], server_log=wd / "server1.log"
-        )
+        log = wd / "server1.log"
+        rec["l2_after_store"] = wait_l2_stable(tier, sspec["l2_min_objects"], server_log=log)
         kill_group(srv)
-        rec["server1"] = server_log_facts((wd / "server1.log").read_text(errors="replace"))
-        rec["l2_after_kill"] = tier_inventory(tier)
-        inv = rec["l2_after_kill"]
+        rec["server1"] = server_log_facts(log.read_text(errors="replace"))
+        inv = rec["l2_after_kill"] = tier_inventory(tier)
         if inv["objects"]:
             rec["l2_bytes_per_object"] = inv["bytes"] / inv["objects"]
         if store.get("ok") and case.turn == 2 and store.get("tokens") != cold.get("tokens"):
@@ -1714,14 +1426,8 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             port = free_port()
             srv = start_server(rc.python, env, port, case.chunk, adapter, wd / "server2.log")
             servers.append(srv)
-            restore = run_engine(
-                rc.python,
-                env,
-                restore_spec(case, model_dir, rc, port, store.get("tokens") or ()),
-                wd,
-                "restore",
-                rc.engine_timeout,
-            )
+            rspec = restore_spec(case, model_dir, rc, port, store.get("tokens") or ())
+            restore = run_engine(rc.python, env, rspec, wd, "restore", rc.engine_timeout)
             kill_group(srv)
             rec["server2"] = server_log_facts((wd / "server2.log").read_text(errors="replace"))
     except (ServerError, FileNotFoundError, RuntimeError) as e:
@@ -1732,9 +1438,8 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         if redis is not None:
             redis.close()
     rec["eval"] = add_errors(evaluate_case(case, cold, store, restore, refused), run_errors(rec))
-    rec["engines"] = {
-        role: _slim(r) for role, r in (("cold", cold), ("store", store), ("restore", restore))
-    }
+    engines = {"cold": cold, "store": store, "restore": restore}
+    rec["engines"] = {role: _slim(r) for role, r in engines.items()}
     rec["case_s"] = round(time.monotonic() - t0, 1)
     if not rc.keep_l2:
         shutil.rmtree(l2, ignore_errors=True)
@@ -1743,9 +1448,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
 
 def _slim(r: dict[str, Any] | None) -> dict[str, Any] | None:
     """Engine result without the bulky per-block hashes (those stay in the case folder)."""
-    if r is None:
-        return None
-    return {k: v for k, v in r.items() if k not in ("kv_hashes",)}
+    return None if r is None else {k: v for k, v in r.items() if k != "kv_hashes"}
 
 
 def nvidia_smi(*args: str, timeout: float = 60.0) -> list[str]:
@@ -1791,14 +1494,12 @@ print("GATE-ENV " + json.dumps(out))
             versions = {"probe_error": (cp.stderr or cp.stdout)[-1500:]}
     except (OSError, subprocess.TimeoutExpired) as e:
         versions = {"probe_error": str(e)}
-    hardware: dict[str, Any] = {}
+    gpus: list[str] | str
     try:
-        hardware["gpus"] = nvidia_smi(
-            "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"
-        )
+        gpus = nvidia_smi("--query-gpu=name,driver_version,memory.total", "--format=csv,noheader")
     except (OSError, subprocess.TimeoutExpired) as e:
-        hardware["gpus"] = f"nvidia-smi failed: {e}"
-    return {"versions": versions, "hardware": hardware, "server_args": extra_server_args()}
+        gpus = f"nvidia-smi failed: {e}"
+    return {"versions": versions, "hardware": {"gpus": gpus}, "server_args": extra_server_args()}
 
 
 ARMS = ("patched", "pristine", "pristine-hnd", "pristine-resp")
@@ -1846,33 +1547,23 @@ def start_report(
     out.mkdir(parents=True, exist_ok=True)
     date = _dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
     envinfo = collect_environment(python, lmcache_dir)
-    report: dict[str, Any] = {
-        "arm": arm,
-        "date": date,
-        "lmcache_dir": str(lmcache_dir),
-        **envinfo,
-    }
+    report: dict[str, Any] = {"arm": arm, "date": date, "lmcache_dir": str(lmcache_dir), **envinfo}
     problem = arm_problem(arm, envinfo["versions"], lmcache_dir)
     return out / f"{kind}-{date}-{arm}", report, problem
 
 
 def write_report(report: dict[str, Any], stem: Path) -> None:
     """Count the cases into ``summary`` and write ``<stem>.json`` and ``<stem>.md``."""
-    cases = report["cases"]
-    report["summary"] = {
-        "run": len(cases),
-        "passed": sum(bool(r["eval"].get("pass")) for r in cases),
-        "bytes_mismatch": sum(r["eval"].get("bytes_match") is False for r in cases),
-        "errors": sum(not r["eval"].get("completed") for r in cases),
-    }
+    evs = [r["eval"] for r in report["cases"]]
+    report["summary"] = {"run": len(evs), "passed": sum(bool(ev.get("pass")) for ev in evs)}
+    report["summary"]["bytes_mismatch"] = sum(ev.get("bytes_match") is False for ev in evs)
+    report["summary"]["errors"] = sum(not ev.get("completed") for ev in evs)
     Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     Path(f"{stem}.md").write_text(markdown_report(report))
 
 
 def run_matrix(
-    cases: Iterable[Case],
-    rc: RunConfig,
-    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    cases: Iterable[Case], rc: RunConfig, on_progress: Callable[[dict], None] | None = None
 ) -> dict[str, Any]:
     """Run cases (``rc.jobs`` at a time); writes ``<out>/gpu-gate-<date>-<arm>.json`` and
     ``.md`` after every case."""
@@ -1909,9 +1600,7 @@ def run_matrix(
         with ThreadPoolExecutor(max_workers=rc.jobs) as pool:
             for fut in [pool.submit(one, c) for c in cases]:
                 fut.result()
-    report["json_path"] = f"{stem}.json"
-    report["md_path"] = f"{stem}.md"
-    return report
+    return {**report, "json_path": f"{stem}.json", "md_path": f"{stem}.md"}
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -1921,75 +1610,70 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def add_case_args(
-    ap: argparse.ArgumentParser, *, model: str, work: Path, kv_cache_gib: float | None
+def add_run_args(
+    ap: argparse.ArgumentParser, *, work: Path, kv_cache_gib: float | None, arms: Sequence[str]
 ) -> None:
-    """The options fault_kill_mid_store.py and load.py share: the arm, the lmcache under
-    test, where results and work go, and the one case they run."""
-    ap.add_argument("--arm", choices=("patched", "pristine"), default="patched")
-    ap.add_argument("--lmcache-dir", type=Path, help="folder holding the lmcache under test")
+    """The options of every GPU script: the arm, the lmcache under test, where results and
+    work go, the engines' GPU memory."""
+    ap.add_argument("--arm", choices=arms, default="patched", help=ARM_HELP)
+    ap.add_argument(
+        "--lmcache-dir",
+        type=Path,
+        help="folder holding the lmcache package under test (put first on the PYTHONPATH of "
+        "every engine and server)",
+    )
     ap.add_argument("--out", type=Path, default=Path("results"))
-    ap.add_argument("--model", default=model, choices=sorted(MODELS))
-    ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
-    ap.add_argument("--chunk-blocks", type=int, default=1, help="LMCache chunk = this x N")
-    ap.add_argument("--kv-cache-gib", type=float, default=kv_cache_gib)
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=kv_cache_gib,
+        help="fixed KV cache per engine (skips vLLM's memory profiling, which breaks when "
+        "engines run at once)",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     ap.add_argument("--work", type=Path, default=work)
     ap.add_argument("--keep-l2", action="store_true")
 
 
+ARM_HELP = (
+    "patched; pristine; gate.py only: pristine-hnd, pristine with only the series' HND patch "
+    "(pristine's HND stores crash, so this arm shows that (a) bites under HND), and "
+    "pristine-resp, pristine with only the HND and the native-connector batch patches "
+    "(pristine's resp tier stores no recurrent object of some layouts)"
+)
+
+
+def add_case_args(
+    ap: argparse.ArgumentParser, *, model: str, work: Path, kv_cache_gib: float | None
+) -> None:
+    """The options fault_kill_mid_store.py and load.py share: add_run_args' and the one
+    case they run."""
+    add_run_args(ap, work=work, kv_cache_gib=kv_cache_gib, arms=("patched", "pristine"))
+    ap.add_argument("--model", default=model, choices=sorted(MODELS))
+    ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
+    ap.add_argument("--chunk-blocks", type=int, default=1, help="LMCache chunk = this x N")
+
+
 def case_args(a: argparse.Namespace) -> dict[str, Any]:
     """add_case_args' values, as keyword arguments of FaultConfig and LoadConfig."""
-    return {
-        "arm": a.arm,
-        "lmcache_dir": (a.lmcache_dir or Path(".")).resolve(),
-        "out": a.out,
-        "model": a.model,
-        "layout": a.layout,
-        "chunk_blocks": a.chunk_blocks,
-        "kv_cache_gib": a.kv_cache_gib,
-        "gpu_memory_utilization": a.gpu_memory_utilization,
-        "keep_l2": a.keep_l2,
-        "work": a.work,
-    }
+    keys = ("arm", "out", "model", "layout", "chunk_blocks", "kv_cache_gib")
+    args = {k: getattr(a, k) for k in (*keys, "gpu_memory_utilization", "keep_l2", "work")}
+    return {**args, "lmcache_dir": (a.lmcache_dir or Path(".")).resolve()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--arm",
-        choices=ARMS,
-        help="patched; pristine; pristine-hnd: pristine with only the series' HND patch "
-        "(pristine's HND stores crash, so this arm shows that (a) bites under HND); "
-        "pristine-resp: pristine with only the HND and the native-connector batch patches "
-        "(pristine's resp tier stores no recurrent object, so this arm shows that (a) bites "
-        "on resp)",
-    )
-    ap.add_argument(
-        "--lmcache-dir",
-        type=Path,
-        help="folder holding the lmcache package under test (put first on "
-        "PYTHONPATH of every engine and server)",
-    )
-    ap.add_argument("--out", type=Path, default=Path("results"))
+    add_run_args(ap, work=Path("/tmp/hybridfa-gate"), kv_cache_gib=None, arms=ARMS)
     ap.add_argument(
         "--cases",
         default="quick",
-        help="quick | core | all | full | comma-separated case ids / regexes",
+        help="quick | core | all | full | deploy | mtp | turn2 | l2, or comma-separated "
+        "case ids / regexes",
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     ap.add_argument(
         "--jobs", type=int, default=1, help="cases run concurrently (each its own engines)"
     )
-    ap.add_argument(
-        "--kv-cache-gib",
-        type=float,
-        default=None,
-        help="fixed KV cache per engine (skips vLLM's memory profiling; needed with --jobs > 1)",
-    )
-    ap.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-gate"))
-    ap.add_argument("--keep-l2", action="store_true")
     ap.add_argument("--list", action="store_true", help="print the selected cases and exit")
     ap.add_argument(
         "--matrix",
@@ -2008,45 +1692,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:
             ap.error(str(e))
         return 0
-    if a.arm is None or a.lmcache_dir is None:
-        ap.error("--arm and --lmcache-dir are required (except with --matrix)")
-    if a.jobs > 1 and not a.kv_cache_gib:
-        ap.error("--jobs > 1 needs --kv-cache-gib (vLLM's profiling breaks under concurrency)")
     cases = select_cases(a.cases, a.tp)
     if a.list:
         for c in cases:
             g = c.geometry
-            print(
-                f"{c.case_id:36s} N={g.block_size} page={g.kernel_page} r={g.ratio} "
-                f"chunk={c.chunk} prompt={c.prompt_tokens}"
-            )
+            shape = f"N={g.block_size} page={g.kernel_page} r={g.ratio} chunk={c.chunk}"
+            print(f"{c.case_id:36s} {shape} prompt={c.prompt_tokens}")
         return 0
+    if a.lmcache_dir is None:
+        ap.error("--lmcache-dir is required (except with --matrix or --list)")
+    if a.jobs > 1 and not a.kv_cache_gib:
+        ap.error("--jobs > 1 needs --kv-cache-gib (vLLM's profiling breaks under concurrency)")
     rc = RunConfig(
-        arm=a.arm,
-        lmcache_dir=a.lmcache_dir.resolve(),
-        out=a.out,
-        gpu_memory_utilization=a.gpu_memory_utilization,
-        kv_cache_memory_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
-        jobs=a.jobs,
-        keep_l2=a.keep_l2,
-        work=a.work,
+        a.arm, a.lmcache_dir.resolve(), a.out, jobs=a.jobs, keep_l2=a.keep_l2, work=a.work
     )
-
-    def progress(rec: dict[str, Any]) -> None:
-        print(" | ".join(table_row(a.arm, rec)), flush=True)
-
+    rc.gpu_memory_utilization = a.gpu_memory_utilization
+    rc.kv_cache_memory_bytes = int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None
     install_cleanup_handler()
-    report = run_matrix(cases, rc, progress)
+    report = run_matrix(cases, rc, lambda rec: print(" | ".join(table_row(a.arm, rec)), flush=True))
     if report.get("error"):
         print(f"gate: {report['error']}", file=sys.stderr)
         return 2
     print(Path(report["md_path"]).read_text())
     s = report["summary"]
-    if a.arm == "patched":
-        ok = s["run"] > 0 and s["passed"] == s["run"]
-    else:
-        ok = s["run"] > 0 and s["bytes_mismatch"] == s["run"]
-    return 0 if ok else 1
+    key = "passed" if a.arm == "patched" else "bytes_mismatch"  # a pristine arm: (a) bites
+    return 0 if s["run"] and s[key] == s["run"] else 1
 
 
 if __name__ == "__main__":
