@@ -306,6 +306,7 @@ def _generate_timed(
     engine = llm.llm_engine
     params = params.clone()
     params.output_kind = RequestOutputKind.CUMULATIVE
+    probe = _request_probe()
     t0 = time.perf_counter()
     rid = f"timed-{time.monotonic_ns()}"  # one per call: an engine times several requests
     internal = engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
@@ -323,6 +324,8 @@ def _generate_timed(
                 if prefill is not None and TAP is not None:
                     local, external = TAP.stats.pop(internal or rid, (None, None))
                     prefill.update(local_cached_tokens=local, external_cached_tokens=external)
+                if prefill is not None:
+                    prefill["probe"] = [probe, _request_probe()]
                 return o, (total if ttft is None else ttft), total
 
 
@@ -420,6 +423,15 @@ def _profiled(spec: dict[str, Any], run_request: Any) -> tuple[Any, dict[str, An
     return value, {"dir": str(out), "trace": f"{trace}.gz"}
 
 
+def _request_probe() -> dict[str, Any]:
+    """Wall clock and the bytes this process has read from storage (the OffloadingConnector's
+    file tier reads in-process), around each timed request, for bench/gpu_restore.py."""
+    io = Path("/proc/self/io")
+    lines = io.read_text().splitlines() if io.exists() else []
+    read = [int(ln.split(":")[1]) for ln in lines if ln.startswith("read_bytes:")] or [None]
+    return {"epoch": time.time(), "read_bytes": read[0]}
+
+
 def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -451,7 +463,9 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
     if spec.get("log_stats"):  # RequestOutput.metrics (TTFT) for bench/gpu_restore.py
         kw["disable_log_stats"] = False
     lmc = spec.get("lmcache")
-    if lmc:
+    if spec.get("kv_transfer_config"):  # another connector (the bench's OffloadingConnector arm)
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    elif lmc:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LMCacheMPConnector",
             kv_connector_module_path=lmc["module_path"],
@@ -598,6 +612,11 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
 
     for tokens in spec.get("also_store") or []:
         llm.generate([TokensPrompt(prompt_token_ids=tokens)], short, use_tqdm=False)
+    if spec.get("drain_s"):  # the OffloadingConnector moves its stores on only while we step
+        sched, end = llm.llm_engine.engine_core.engine_core.scheduler, time.monotonic()
+        while sched.has_requests() and time.monotonic() < end + float(spec["drain_s"]):
+            llm.llm_engine.step()
+        result["drained"] = not sched.has_requests()
 
     if spec["role"] == "store" and spec.get("l2"):
         result["l2_wait"] = _wait_l2(
