@@ -24,8 +24,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests" / "gpu"), str(REPO / "bench")]
-import fs_l2_read  # noqa: E402  (stdlib only at import: its page-cache helpers)
-import gate  # noqa: E402  (stdlib only: the restart gate's helpers)
+import fs_l2_read  # noqa: E402  (stdlib only at import: its page-cache functions)
+import gate  # noqa: E402  (stdlib only: the restart gate's functions)
 
 GB, GIB = 1e9, 1 << 30
 SCHEMA = "hybridfa-bench-gpu/2"
@@ -48,7 +48,7 @@ SPEEDUP_TARGETS = {("default", 26624): 5.0, ("default", 131072): 6.0,
 BOUND_TARGET = 0.8  # disk bound / restore TTFT, this wheel's default server
 RESTORES, NEW_TOKENS, MAX_POSITIONS, WARM_BLOCKS = 3, 8, 262144, 16
 SERVER_STATS_ARGS = ("--enable-extra-logging", "--extra-logging-interval", "0.25")
-MIN_ENGINE_S = 90.0  # no engine is started with less of --budget-s left
+MIN_ENGINE_S = 90.0  # no engine is started with less of --time-limit-s left
 DISK_MARGIN = 1.15
 
 
@@ -57,7 +57,7 @@ class StepError(RuntimeError):
 
 
 class Skipped(StepError):
-    """An environment limit (--budget-s, disk, /dev/shm, a missing install): no result."""
+    """An environment limit (--time-limit-s, disk, /dev/shm, no install): no result."""
 
 
 def block(m: gate.ModelSpec) -> int:
@@ -457,7 +457,7 @@ class Bench:
 
     def __init__(self, a: argparse.Namespace, results: dict[str, Any]) -> None:
         self.a, self.results, self.py, self.rates = a, results, sys.executable, {}
-        self.end = time.monotonic() + a.budget_s if a.budget_s else math.inf
+        self.end = time.monotonic() + a.time_limit_s if a.time_limit_s else math.inf
 
     def save(self) -> None:
         write_results(self.results, self.a.results)
@@ -487,7 +487,7 @@ class Bench:
     def engine(self, env: dict[str, str], spec: dict[str, Any], wd: Path, role: str) -> Any:
         left = self.end - time.monotonic()
         if left < MIN_ENGINE_S:
-            raise Skipped(f"not run: {max(left, 0):.0f} s of --budget-s left for {role}")
+            raise Skipped(f"not run: {max(left, 0):.0f} s of --time-limit-s left for {role}")
         print(f"[bench] {wd.name}: {role} engine", flush=True)
         return gate.run_engine(self.py, env, spec, wd, role, min(self.a.engine_timeout, left))
 
@@ -597,7 +597,7 @@ def run(a: argparse.Namespace) -> int | str:
         cases.setdefault(model, set()).add(LENGTHS.get(length) or int(length))
     if unknown := set(cases) - set(MODELS):
         return f"bench: unknown model {unknown}; one of {', '.join(MODELS)}"
-    bench = Bench(a, results)  # --budget-s counts from here
+    bench = Bench(a, results)  # --time-limit-s counts from here
     gate.install_cleanup_handler()
     a.work.mkdir(parents=True, exist_ok=True)
     envinfo = gate.collect_environment(sys.executable, a.lmcache_dir)
@@ -637,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int | str:
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated (%(default)s)")
     ap.add_argument("--results", type=Path, default=REPO / "results" / "bench-gpu.json")
     ap.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-bench"), help="L2 tiers, logs")
-    ap.add_argument("--budget-s", type=float, default=0, help="start no engine after this many s")
+    ap.add_argument("--time-limit-s", type=float, default=0, help="end the run after this many s")
     ap.add_argument("--redo", action="store_true", help="rerun rows the results hold as passed")
     ap.add_argument("--engine-timeout", type=float, default=900.0)
     a = ap.parse_args(argv)

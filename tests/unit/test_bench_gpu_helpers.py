@@ -324,8 +324,8 @@ def test_the_offloading_config_names_the_tiering_spec_and_its_fs_tier() -> None:
 
 def _args(tmp_path: Path, **kw: Any) -> argparse.Namespace:
     (tmp_path / "lmc" / "lmcache").mkdir(parents=True, exist_ok=True)
-    base = {"work": tmp_path / "w", "results": tmp_path / "r.json", "budget_s": 0, "redo": False,
-            "engine_timeout": 60.0, "lmcache_dir": tmp_path / "lmc"}
+    base = {"work": tmp_path / "w", "results": tmp_path / "r.json", "time_limit_s": 0,
+            "redo": False, "engine_timeout": 60.0, "lmcache_dir": tmp_path / "lmc"}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -367,11 +367,11 @@ def test_pagecache_and_default_share_one_store_and_only_default_drops_the_files(
     assert not (tmp_path / "w" / f"{TINY.name}-{p}-pagecache-default" / "tier").exists()
 
 
-def test_no_engine_starts_past_the_budget_and_the_row_says_so(
+def test_no_engine_starts_past_the_time_limit_and_the_row_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(gate, "run_engine", lambda *a, **k: pytest.fail("an engine started"))
-    b = bench.Bench(_args(tmp_path, budget_s=1), bench.load_results(tmp_path / "r.json"))
+    b = bench.Bench(_args(tmp_path, time_limit_s=1), bench.load_results(tmp_path / "r.json"))
     b.restore_phase(TINY, 2 * N + 100, ["offloading"])
     row = b.results["rows"][bench.row_key(TINY.name, 2 * N + 100, "offloading")]
     assert not row["ok"] and row["errors"][0].startswith("not run: ") and not row["findings"]
