@@ -613,8 +613,9 @@ def run(spec: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
     for tokens in spec.get("also_store") or []:
         llm.generate([TokensPrompt(prompt_token_ids=tokens)], short, use_tqdm=False)
     if spec.get("drain_s"):  # the OffloadingConnector moves its stores on only while we step
-        sched, end = llm.llm_engine.engine_core.engine_core.scheduler, time.monotonic()
-        while sched.has_requests() and time.monotonic() < end + float(spec["drain_s"]):
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        until = time.monotonic() + float(spec["drain_s"])
+        while sched.has_requests() and time.monotonic() < until:
             llm.llm_engine.step()
         result["drained"] = not sched.has_requests()
 
