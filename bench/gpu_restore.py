@@ -1,34 +1,7 @@
-"""GPU benchmark (issue 9): cold prefill vs disk-only restore after a full restart.
-
-Reuses the restart gate (``tests/gpu/gate.py``: tiny model configs, LMCache server start
-and kill, L2 inventory; ``tests/gpu/engine_proc.py``: one vLLM engine per process). Weights
-are vLLM's ``load_format="dummy"`` weights (timing only: the gate checks correctness).
-
-Steps (one record each in the results JSON, keyed by id ``kind:model:backend:arm:P``):
-
-- ``pinned``  pinned-host H2D / D2H cudaMemcpy bandwidth (torch, 256 MiB, several reps);
-- ``disk``    sequential write and read bandwidth of the L2 folder's filesystem (O_DIRECT
-              read where the filesystem allows it; buffered reads after dropping the file
-              from the page cache with posix_fadvise, and warm);
-- ``restore`` server 1 + store engine (its first request is the cold prefill, LMCache on,
-              nothing cached) -> server 1 SIGKILLed, L2 files dropped from the page cache
-              -> server 2 (L1 empty) + a fresh engine: the same request restored from disk.
-              TTFT = max_tokens=1 request (RequestOutput.metrics when vLLM gives them);
-              L2 read rate from the server's "Prefetch request completed" line x L2 object
-              size; H2D retrieve rate bounded from below by the rest of the TTFT
-              (``restore_breakdown``: the "Stored/Retrieved N tokens" lines time only the
-              enqueue of asynchronous copies), and measured by LMCache's own stream-timed
-              copy statistics (``SERVER_STATS_ARGS``, ``parse_copy_stats``);
-- ``cold``    optional (--plain-cold): the same request on an engine without LMCache;
-- ``bytes``   pristine arm: store only, L2 object size per chunk.
-
-Usage on any CUDA box::
-
-    python3 bench/gpu_restore.py --arm patched --lmcache-dir /tmp/lmc-patched \\
-        --results results/bench-gpu-DATE.json
-
-Without a GPU: ``--report FILE`` and ``--plot-from FILE`` (needs matplotlib).
-"""
+"""GPU benchmark (issue 22): restore TTFT after a restart, every arm side by side on one node:
+cold, default, pagecache, offloading, lmcache056 (bench/README.md). Engines are
+tests/gpu/engine_proc.py processes started by tests/gpu/gate.py; the results (JSON, markdown)
+are rewritten after every measured step, and an existing results file is resumed."""
 
 from __future__ import annotations
 
@@ -44,22 +17,20 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "gpu"))
-import gate  # noqa: E402  (stdlib only; the gate's helpers)
+sys.path[:0] = [str(REPO / "tests" / "gpu"), str(REPO / "bench")]
+import fs_l2_read  # noqa: E402  (stdlib only at import: its page-cache functions)
+import gate  # noqa: E402  (stdlib only: the restart gate's functions)
 
-GB = 1e9
-GIB = 1 << 30
-SCHEMA = "hybridfa-bench-gpu/1"
-
-# Qwen3.5-9B-like text model (hidden 4096, 32 layers, 3 GDN : 1 FA, 16 q / 4 kv heads of
-# 256, GDN 16 key / 32 value heads of 128, fp32 temporal state). Vocab is the gate's 8192
-# (prompts use it), so weights are ~7.0 B parameters instead of 9 B.
+GB, GIB = 1e9, 1 << 30
+SCHEMA = "hybridfa-bench-gpu/2"
+# Qwen3.5-9B-like text model: hidden 4096, 32 layers (24 GDN + 8 FA), 16 q / 4 kv heads of 256,
+# GDN 16 key / 32 value heads of 128, fp32 state; the gate's vocab (8192), so ~7.0 B params.
 QWEN35_9B = gate.ModelSpec(
     "qwen35-9b",
     "qwen3_5",
@@ -75,552 +46,410 @@ QWEN35_9B = gate.ModelSpec(
     intermediate_size=12288,
     num_hidden_layers=32,
 )
-MODELS: dict[str, gate.ModelSpec] = {
-    "qwen35-r17": gate.MODELS["qwen35-r17"],
-    "qwen35-9b": QWEN35_9B,
+MODELS = {"qwen35-9b": QWEN35_9B, "qwen35-r17": gate.MODELS["qwen35-r17"]}
+# gpu_memory_utilization, weight_std (None: vLLM's dummy weights, timing only) per model
+ENGINE = {"qwen35-9b": (0.45, None), "qwen35-r17": (0.30, gate.WEIGHT_STD)}
+LENGTHS = {"8k": 8192, "26k": 26624, "64k": 65536, "128k": 131072}
+DEFAULT_CASES = "qwen35-9b:8k,qwen35-9b:26k,qwen35-9b:64k,qwen35-9b:128k,qwen35-r17:26k"
+ARMS = ("cold", "default", "pagecache", "offloading", "lmcache056")
+TARGET_MODEL = "qwen35-9b"
+SPEEDUP_TARGETS = {
+    ("default", 26624): 5.0,
+    ("default", 131072): 6.0,
+    ("pagecache", 26624): 12.0,
+    ("pagecache", 131072): 20.0,
 }
-BIG_MODEL = "qwen35-9b"
-LENGTHS = (8192, 26624, 65536, 131072)  # 8k, 26k, 64k, 128k
-FA_LENGTHS = (26624, 131072)
-BACKENDS = ("FLASHINFER", "FLASH_ATTN")
-MAX_POSITIONS = 262144
-GPU_MEMORY_UTILIZATION = {"qwen35-r17": 0.30, "qwen35-9b": 0.45}
-TARGETS = {
-    "ttft_speedup_26k": 10.0,
-    "ttft_speedup_128k": 20.0,
-    "retrieve_vs_flash_attn": 0.8,
-    "retrieve_vs_pinned_h2d": 0.5,
-}
-
-# ---------------------------------------------------------------------------------------
-# Geometry and byte accounting (pure)
-# ---------------------------------------------------------------------------------------
+BOUND_TARGET = 0.8  # disk bound / restore TTFT, this wheel's default server
+RESTORES, NEW_TOKENS, MAX_POSITIONS, WARM_BLOCKS = 3, 8, 262144, 16
+SERVER_STATS_ARGS = ("--enable-extra-logging", "--extra-logging-interval", "0.25")
+MIN_ENGINE_S = 90.0  # no engine is started with less of --time-limit-s left
+DISK_MARGIN = 1.15
 
 
-def layer_counts(m: gate.ModelSpec) -> tuple[int, int]:
-    """(GDN layers, FA layers) of the 3:1 pattern the gate's configs use."""
-    kinds = gate._layer_types(m)
-    fa = sum(k == "full_attention" for k in kinds)
-    return len(kinds) - fa, fa
+class StepError(RuntimeError):
+    pass
 
 
-def backend_geometry(m: gate.ModelSpec, backend: str, tp: int = 1) -> gate.Geometry:
-    """FLASHINFER: the gate's (N, page, r). FLASH_ATTN supports MultipleOf(16): same N
-    (vLLM aligns to 16 either way), one kernel page per block, no subpaging."""
-    g = gate.expected_geometry(m, tp)
-    if backend == "FLASHINFER":
-        return g
-    if backend == "FLASH_ATTN":
-        return gate.Geometry(g.block_size, g.block_size, 1)
-    raise ValueError(f"unknown backend {backend}")
+class Skipped(StepError):
+    """An environment limit (--time-limit-s, disk, /dev/shm, no install): no result."""
 
 
-def chunk_bytes(
-    m: gate.ModelSpec, chunk: int, arm: str, backend: str = "FLASHINFER", tp: int = 1
-) -> dict[str, int]:
-    """Bytes of one stored chunk object per rank, split FA / GDN.
-
-    Every layer stores a full page per block (GDN pages padded to N x attention bytes per
-    token); pristine 0.5.3 copies only the first kernel page of each FA block (1/r).
-    """
-    g = backend_geometry(m, backend, tp)
-    if chunk % g.block_size:
-        raise ValueError(f"chunk {chunk} is not a multiple of N={g.block_size}")
-    per_tok = gate.attn_bytes_per_token(m, tp)
-    n_gdn, n_fa = layer_counts(m)
-    fa = n_fa * chunk * per_tok
-    if arm == "pristine":
-        fa //= g.ratio
-    elif arm != "patched":
-        raise ValueError(f"unknown arm {arm}")
-    gdn = n_gdn * chunk * per_tok
-    return {"fa": fa, "gdn": gdn, "total": fa + gdn}
+def block(m: gate.ModelSpec) -> int:
+    return gate.expected_geometry(m).block_size
 
 
-def max_model_len(prompt_tokens: int, block: int) -> int:
-    return prompt_tokens + 4 * block
+def prompt_bytes(m: gate.ModelSpec, p: int) -> int:
+    """What storing a prompt writes (chunk N, either connector): every layer of every block."""
+    return (p // block(m)) * gate.expected_chunk_bytes(m, block(m))
 
 
-def l1_size_gb(total_bytes: int) -> int:
-    """LMCache L1 big enough for every chunk of the step (prefetch lands in L1)."""
-    return max(4, math.ceil(1.25 * total_bytes / GB) + 2)
+def prompt(p: int, tag: str) -> list[int]:
+    """One prompt per (tag, length); no two share a prefix."""
+    return gate.make_prompt(p, seed=zlib.crc32(f"{tag}:{p}".encode()))
 
 
-# ---------------------------------------------------------------------------------------
-# Log parsing and throughput (pure)
-# ---------------------------------------------------------------------------------------
+def offloading_transfer_config(root: Path, cpu_bytes: int, engine_id: str) -> dict[str, Any]:
+    """vLLM 0.26.0's OffloadingConnector: a CPU tier and a file-system tier under ``root``.
+    ``engine_id`` names its /dev/shm region, which an engine that is killed leaves behind."""
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": int(cpu_bytes),
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
+    }
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": extra,
+    }
 
-_STORED = re.compile(r"Stored (\d+) tokens in ([0-9.]+) seconds")
-_RETRIEVED = re.compile(r"Retrieved (\d+) tokens in ([0-9.]+) seconds")
+
+def engine_spec(
+    m: gate.ModelSpec, p: int, role: str, model_dir: Path, conn: Any = None, cold: str = ""
+) -> dict[str, Any]:
+    """engine_proc's spec; ``conn``: {"lmcache": port} or {"kv_transfer_config": ...}. store: A
+    (KV hashed), W (short), B, D. restore: warm-up (cold prefill if ``cold``, W), A (KV hashed),
+    B, D, each then followed by a cold prefill of a ``cold`` prompt if ``cold``."""
+    n, a, (util, std) = block(m), prompt(p, "A"), ENGINE[m.name]
+    w = prompt(min(p, WARM_BLOCKS * n + n // 2), "W")
+    spec: dict[str, Any] = {
+        "role": role,
+        "model_dir": str(model_dir),
+        "language_model_only": m.family == "qwen3_5",
+        "tensor_parallel_size": 1,
+        "gpu_memory_utilization": util,
+        "weight_std": std,
+        "max_num_batched_tokens": 2 * n - 1,
+        "max_model_len": p + 4 * n,  # 0.5.3: N <= it < 2N
+        "prompt": a,
+        "prompt_key": gate.prompt_key(a),
+        "attention_backend": "FLASHINFER",
+        "warmup": gate.make_prompt(2 * n + 3, seed=2),
+        "new_tokens": NEW_TOKENS,
+        "top_k": None,
+        "health": gate.make_prompt(3 * n + 17, seed=3),
+        "weight_seed": gate.WEIGHT_SEED,
+        "kv_hashes": role != "cold",
+        "log_stats": True,
+    }
+    if conn and "lmcache" in conn:
+        mp = {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": conn["lmcache"]}
+        spec["lmcache"] = {"module_path": gate.CONNECTOR_MODULE, "extra_config": mp}
+    elif conn:
+        spec["kv_transfer_config"] = conn["kv_transfer_config"]
+    if role == "store":
+        spec["also_store"] = [w, prompt(p, "B"), prompt(p, "D")]
+    elif role == "restore":
+        colds = [{"cold": prompt(p, f"{cold}-{i}")} if cold else {} for i in range(RESTORES + 1)]
+        spec["warm_first"] = {**colds[0], "restore": w}
+        spec["cold_reference"] = colds[1].get("cold")
+        pairs = ((2, "B"), (3, "D"))
+        spec["timed_pairs"] = [{"restore": prompt(p, t), **colds[i]} for i, t in pairs]
+    return spec
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+_TS = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]"
+_WINDOW = re.compile(
+    _TS + r"[^\n]*?L0<->L1 stats \[[^\]]+\] last ([0-9.]+)s: store [^|\n]*\| retrieve "
+    r"ops=(\d+) tokens=(\d+) size=([0-9.]+)GB avg_copy=(?:([0-9.]+)GB/s|n/a)"
+)
 _PREFETCH = re.compile(
-    r"Prefetch request completed[^:]*: (\d+)/(\d+) retained keys "
-    r"\((\d+) L1, (\d+) L2\) in ([0-9.]+) ms"
+    _TS + r"[^\n]*?Prefetch request completed[^:\n]*: \d+/\d+ retained keys \((\d+) L1, (\d+) L2\)"
 )
 
 
-# LMCache's own copy timing (--enable-extra-logging, ExtraStatsLoggingSubscriber): bytes over
-# the time between MP_*_START and MP_*_END, both published on the transfer's CUDA stream, so
-# the copies themselves are timed, not their enqueue.
-SERVER_STATS_ARGS = ("--enable-extra-logging", "--extra-logging-interval", "1")
-_SIDE = r"ops=(\d+) tokens=(\d+) size=([0-9.]+)GB avg_copy=(?:([0-9.]+)GB/s|n/a)"
-_COPY_STATS = re.compile(
-    r"L0<->L1 stats \[([^\]]+)\] cumulative: store " + _SIDE + r" \| retrieve " + _SIDE
-)
+def parse_server_log(text: str) -> dict[str, list[dict[str, Any]]]:
+    """windows: --enable-extra-logging's retrieve side (copies LMCache timed on the CUDA stream,
+    ended in (t0, t1]); prefetch: each prefetch line's L1 / L2 objects. Times: epochs."""
 
+    def epoch(day: str, ms: str) -> float:
+        return time.mktime(time.strptime(day, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1e3
 
-def parse_copy_stats(text: str) -> dict[str, Any] | None:
-    """The last cumulative "L0<->L1 stats" line of a server log: per side, ops, tokens,
-    GB moved and the stream-timed copy rate (GB/s; None when nothing was timed)."""
-    found = _COPY_STATS.findall(text)
-    if not found:
-        return None
-    device, *v = found[-1]
-
-    def side(ops: str, tokens: str, size: str, rate: str) -> dict[str, Any]:
-        return {
+    windows = [
+        {
+            "t0": epoch(d, ms) - float(last),
+            "t1": epoch(d, ms),
             "ops": int(ops),
-            "tokens": int(tokens),
-            "gb": float(size),
-            "copy_gbps": float(rate) if rate else None,
+            "bytes": float(gb) * GB,
+            "tokens": int(tok),
+            "gbps": float(rate) if rate else None,
         }
-
-    return {"device": device, "store": side(*v[:4]), "retrieve": side(*v[4:])}
-
-
-def timed_copy_gbps(stats: dict[str, Any] | None, side: str, tokens: int | None) -> float | None:
-    """The stream-timed copy rate of one side ("retrieve" or "store"), or None unless
-    the copies it timed cover at least ``tokens``: a cumulative line logged before the
-    measured transfer covers only the warm-up, and says nothing about the measurement."""
-    got = (stats or {}).get(side) or {}
-    if not tokens or (got.get("tokens") or 0) < tokens:
-        return None
-    return got.get("copy_gbps")
-
-
-def parse_server_log(text: str) -> dict[str, list[tuple[float, ...]]]:
-    """stored/retrieved: (tokens, seconds); prefetch: (retained, asked, l1, l2, seconds)."""
+        for d, ms, last, ops, tok, gb, rate in _WINDOW.findall(text)
+    ]
+    found = _PREFETCH.findall(text)
     return {
-        "stored": [(int(a), float(b)) for a, b in _STORED.findall(text)],
-        "retrieved": [(int(a), float(b)) for a, b in _RETRIEVED.findall(text)],
-        "prefetch": [
-            (int(a), int(b), int(c), int(d), float(e) / 1e3)
-            for a, b, c, d, e in _PREFETCH.findall(text)
-        ],
+        "windows": windows,
+        "prefetch": [{"t": epoch(d, ms), "l1": int(a), "l2": int(b)} for d, ms, a, b in found],
     }
 
 
-def gbps(nbytes: float, seconds: float) -> float | None:
-    return nbytes / seconds / GB if seconds > 0 else None
+def timed_h2d(windows: Sequence[dict[str, Any]], restores: Sequence[tuple[Any, int]]) -> list[Any]:
+    """Stream-timed H2D GB/s per restore ((span, hit tokens) in time order, warm-up included).
+    A copy window goes to the earliest restore whose span it overlaps and whose hit it has not
+    covered; a rate needs windows that cover the hit and hold no other restore's copies."""
+    acc = [{"tokens": 0, "bytes": 0.0, "s": 0.0, "mixed": False} for _ in restores]
+    for w in (w for w in windows if w["ops"]):
+        need = [
+            i
+            for i, (sp, hit) in enumerate(restores)
+            if sp and w["t0"] < sp[1] and w["t1"] >= sp[0] and acc[i]["tokens"] < hit
+        ]
+        if not need:
+            continue
+        a = acc[need[0]]
+        if a["tokens"] + w["tokens"] > restores[need[0]][1]:  # holds the next restore's copies
+            for b in acc[need[0] : need[0] + 2]:
+                b["mixed"] = True
+        a["tokens"] += w["tokens"]
+        a["bytes"] += w["bytes"]
+        a["s"] += w["bytes"] / (w["gbps"] * GB) if w["gbps"] else math.inf
+    good = [
+        h and not a["mixed"] and a["tokens"] >= h and 0 < a["s"] < math.inf
+        for a, (_, h) in zip(acc, restores, strict=True)
+    ]
+    return [a["bytes"] / a["s"] / GB if ok else None for a, ok in zip(acc, good, strict=True)]
 
 
-def transfer_rate(lines: Sequence[tuple[float, ...]], bytes_per_token: float) -> dict[str, Any]:
-    """Sum of (tokens, seconds) "Stored/Retrieved" log lines -> bytes and GB/s. The seconds
-    are the enqueue of asynchronous copies, so the rate is an enqueue rate, not a transfer
-    rate (kept for the record; reports use ``restore_breakdown``)."""
-    tokens = sum(int(t[0]) for t in lines)
-    secs = sum(float(t[1]) for t in lines)
-    nbytes = tokens * bytes_per_token
+def l2_read_bytes(l2: int, hit: int, chunk: int, group_means: dict[str, float], fa: int) -> Any:
+    """Bytes of ``l2`` objects a restore read: one object group, all at its size; several (FA
+    apart from recurrent state), FA's (size nearest ``fa``) per hit chunk, the rest the others'."""
+    if not l2 or not group_means:
+        return None
+    if len(group_means) == 1:
+        return l2 * next(iter(group_means.values()))
+    fa_group = min(group_means, key=lambda g: abs(group_means[g] - fa))
+    others = [v for g, v in group_means.items() if g != fa_group]
+    n_fa = min(hit // chunk, l2)
+    return n_fa * group_means[fa_group] + (l2 - n_fa) * sum(others) / len(others)
+
+
+def bound_of(row: dict[str, Any]) -> dict[str, Any] | None:
+    """Read ``row``'s bytes at the disk's (pagecache: page cache's) rate, copy at pinned H2D."""
+    rates, cached, nbytes = row.get("rates") or {}, row["arm"] == "pagecache", row.get("read_bytes")
+    read = rates.get("page_cache_read_gbps" if cached else "disk_read_gbps")
+    h2d, restore = rates.get("pinned_h2d_gbps"), row.get("restore_ttft_s")
+    if not (nbytes and read and h2d and restore):
+        return None
+    bound = nbytes / (read * GB) + nbytes / (h2d * GB)
     return {
-        "lines": len(lines),
-        "tokens": tokens,
-        "seconds": round(secs, 6),
-        "bytes": int(nbytes),
-        "gbps": gbps(nbytes, secs),
+        "read_bytes": nbytes,
+        "read_from": "page cache" if cached else "disk",
+        "read_gbps": read,
+        "pinned_h2d_gbps": h2d,
+        "bound_s": bound,
+        "restore_s": restore,
+        "restore_over_bound": restore / bound,
+        "bound_over_restore": bound / restore,
+        "met": bound / restore >= BOUND_TARGET,
     }
 
 
-def prefetch_rate(lines: Sequence[tuple[float, ...]], object_bytes: float) -> dict[str, Any]:
-    """L2 -> L1 (disk read) rate: objects read from L2 x object size / prefetch time."""
-    objs = sum(int(t[3]) for t in lines)
-    secs = sum(float(t[4]) for t in lines)
-    return {
-        "lines": len(lines),
-        "l2_objects": objs,
-        "seconds": round(secs, 6),
-        "bytes": int(objs * object_bytes),
-        "gbps": gbps(objs * object_bytes, secs),
-    }
+def row_key(model: str, p: int, arm: str) -> str:
+    return f"{model}:{p}:{arm}"
 
 
-def _group_object_bytes(rec: dict[str, Any]) -> dict[str, float]:
-    """Mean L2 object size per object group (the GDN-last-chunk prototype writes FA and
-    GDN objects apart); empty when the record has no per-group inventory."""
-    return gate.object_group_means(rec.get("l2") or {})
+def sort_key(r: dict[str, Any]) -> tuple[str, int, int]:
+    return r["model"], r["prompt_tokens"], ARMS.index(r["arm"])
 
 
-def chunk_object_bytes(rec: dict[str, Any]) -> float | None:
-    """L2 bytes of one chunk: its one object, or the sum over its object groups."""
-    sizes = _group_object_bytes(rec)
-    if len(sizes) > 1:
-        return sum(sizes.values())
-    return (rec.get("l2") or {}).get("bytes_per_object")
+def engine_summary(r: dict[str, Any] | None) -> dict[str, Any] | None:
+    keep = ("ok", "error", "engine_up_s", "process_s", "cache_block_size", "rc", "idle")
+    return {k: str(r[k])[-1500:] if k == "error" else r[k] for k in keep if k in r} if r else None
 
 
-def restored_bytes(rec: dict[str, Any], l2_reads: int | None) -> float | None:
-    """Bytes a restore of ``hit_tokens`` reads from L2 and copies to the GPU.
-
-    One object group: every hit chunk's object. Several (FA apart from GDN): the FA
-    group's object (the size nearest the expected FA bytes) of every hit chunk, and the
-    restored request's other L2 reads (``l2_reads``, from its prefetch line) at the other
-    groups' mean size: GDN state for the last hit chunk only.
-    """
-    n, hit = rec.get("chunk"), rec.get("hit_tokens")
-    if not (n and hit):
-        return None
-    objects = hit // n
-    sizes = _group_object_bytes(rec)
-    if len(sizes) <= 1:
-        bpo = (rec.get("l2") or {}).get("bytes_per_object")
-        return objects * bpo if bpo else None
-    fa_expected = (rec.get("expected_chunk_bytes") or {}).get("fa", 0)
-    fa = min(sizes, key=lambda og: abs(sizes[og] - fa_expected))
-    others = [v for og, v in sizes.items() if og != fa]
-    if l2_reads is None or l2_reads < objects:
-        return None
-    return objects * sizes[fa] + (l2_reads - objects) * sum(others) / len(others)
+def finding(row: dict[str, Any], what: str) -> None:
+    row["findings"].append({k: row[k] for k in ("model", "prompt_tokens", "arm")} | {"what": what})
 
 
-def restore_breakdown(rec: dict[str, Any]) -> dict[str, Any] | None:
-    """Split the restore TTFT into the L2 read and what follows it.
-
-    The server's "Retrieved/Stored N tokens in X s" lines time the enqueue of asynchronous
-    copies on a CUDA stream, not the copies, so they give no throughput. The prefetch (disk
-    -> L1) completes before the engine is told the hit, so the H2D retrieve happens inside
-    ``restore TTFT - prefetch``: hit bytes over that window is a lower bound on the
-    retrieve rate. Prefetch time is the restored request's own log line; records without
-    the lines split the summed prefetch time by objects (``prefetch_exact`` false).
-    """
-    ttft, n, hit = rec.get("restore_ttft_s"), rec.get("chunk"), rec.get("hit_tokens")
-    if not (ttft and n and hit):
-        return None
-    objects = hit // n
-    lines = rec.get("prefetch_lines")
-    if lines:
-        line = max(lines, key=lambda t: (t[3], t[4]))
-        prefetch_s, exact, l2_reads = float(line[4]), True, int(line[3])
-    else:
-        pl = rec.get("prefetch_log") or {}
-        if not pl.get("l2_objects"):
-            return None
-        prefetch_s, exact, l2_reads = pl["seconds"] * objects / pl["l2_objects"], False, None
-    hit_bytes = restored_bytes(rec, l2_reads)
-    if hit_bytes is None:
-        return None
-    after = ttft - prefetch_s
-    return {
-        "hit_bytes": int(hit_bytes),
-        "prefetch_s": round(prefetch_s, 4),
-        "prefetch_exact": exact,
-        "prefetch_gbps": gbps(hit_bytes, prefetch_s),
-        "prefetch_share_of_ttft": round(prefetch_s / ttft, 4),
-        "after_prefetch_s": round(after, 4),
-        "retrieve_gbps_lower_bound": gbps(hit_bytes, after) if after > 0 else None,
-    }
+def failed(row: dict[str, Any], why: str, blame: bool = True) -> None:
+    """An error; for a peer (not this wheel) that failed, also the finding that it did not run."""
+    row["errors"].append(why[-1500:])
+    if blame and row["arm"] in ("offloading", "lmcache056"):
+        finding(row, f"did not run: {why[-600:]}")
 
 
-def ttft_of(engine: dict[str, Any] | None) -> float | None:
-    """First-token latency from RequestOutput.metrics, else the request's wall time."""
-    if not engine or not engine.get("ok"):
-        return None
-    met = engine.get("metrics") or {}
-    v = met.get("first_token_latency")
-    if isinstance(v, (int, float)) and v > 0:
-        return float(v)
-    return engine.get("gen_s")
+def fill_restore_row(row: dict[str, Any], m: gate.ModelSpec, store: Any, res: Any, ctx: Any) -> Any:
+    """A restore engine's timed restores and colds (its measured request, cold_reference and
+    timed_pairs), KV bytes and tokens against the store engine's, findings. ``ctx``: the server
+    log's windows and prefetch lines, the L2 groups' sizes (LMCache); {}: /proc/self/io."""
+    n, p = block(m), row["prompt_tokens"]
+    row["engines"] = {"store": engine_summary(store), "restore": engine_summary(res)}
+    if not res.get("ok"):
+        return failed(row, f"restore engine: {res.get('error')}")
+    reqs = [("restore", res), ("cold", res.get("cold_reference"))]
+    reqs += [(k, v) for pair in res.get("timed_pairs") or [] for k, v in pair.items()]
+    restores = [s for k, s in reqs if k == "restore"]
+    warm = [w] if (w := (res.get("warm_first") or {}).get("restore")) else []
+    spans = [tuple(s.get("probe") or ({}, {})) for s in warm + restores]
+    hits = [gate.connector_hit(s)[0] for s in warm + restores]
+    rates = [None] * len(restores)  # the OffloadingConnector's timed loads reach no log of ours
+    if ctx:
+        epochs = [(a["epoch"], b["epoch"]) if a else None for a, b in spans]
+        rates = timed_h2d(ctx["windows"], list(zip(epochs, hits, strict=True)))[len(warm) :]
+    fa = gate._layer_types(m).count("full_attention") * n * gate.attn_bytes_per_token(m)
+    row["restores"], hits = [], hits[len(warm) :]
+    for s, hit, h2d, (a, b) in zip(restores, hits, rates, spans[len(warm) :], strict=True):
+        got: dict[str, Any] = {"ttft_s": s.get("ttft_s"), "hit_tokens": hit, "h2d_gbps": h2d}
+        if ctx:
+            inside = [x["l2"] for x in ctx["prefetch"] if a and a["epoch"] <= x["t"] <= b["epoch"]]
+            got["l2_objects"] = sum(inside)
+            got["read_bytes"] = l2_read_bytes(sum(inside), hit, n, ctx["groups"], fa)
+        elif a.get("read_bytes") is not None and b.get("read_bytes") is not None:
+            got["read_bytes"] = b["read_bytes"] - a["read_bytes"]  # the engine's /proc/self/io
+        row["restores"].append(got)
+    colds = [s["ttft_s"] for k, s in reqs if k == "cold" and s and not s.get("num_cached_tokens")]
+    row.update(
+        restore_ttft_s=median([r["ttft_s"] for r in row["restores"] if r["hit_tokens"]]),
+        read_bytes=median([r.get("read_bytes") for r in row["restores"]]),
+        h2d_gbps=median(rates),
+        h2d_timed=sum(r is not None for r in rates),
+        cold_in_engine_ttfts_s=colds,
+        cold_in_engine_s=median(colds),
+        hit_tokens=hits[0],
+        required_hit=gate.required_hit(p, n),
+    )
+    kv = gate.compare_kv_hashes(store.get("kv_hashes"), res.get("kv_hashes"), hits[0])
+    row["kv"] = {**kv, "mismatches": kv["mismatches"][:4]}
+    row["tokens_match"] = store.get("tokens") == res.get("tokens")
+    before = len(row["findings"])
+    if not all(hits):
+        finding(row, f"restored nothing after the restart (the timed restores' hits: {hits})")
+    elif hits[0] < row["required_hit"]:
+        finding(row, f"restored {hits[0]} of {p} tokens, less than {row['required_hit']}")
+    if not kv["match"]:
+        finding(row, f"KV bytes differ from the storing engine's: {row['kv']}")
+    if not row["tokens_match"]:
+        finding(row, f"greedy tokens {res.get('tokens')} vs stored {store.get('tokens')}")
+    row["correct"] = len(row["findings"]) == before
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-# ---------------------------------------------------------------------------------------
-# Steps
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Step:
-    kind: str  # pinned | disk | restore | cold | bytes
-    model: str = "-"
-    backend: str = "-"
-    arm: str = "-"
-    prompt_tokens: int = 0
-
-    @property
-    def id(self) -> str:
-        if self.kind in ("pinned", "disk"):
-            return self.kind
-        return f"{self.kind}:{self.model}:{self.backend}:{self.arm}:{self.prompt_tokens}"
-
-    @property
-    def spec(self) -> gate.ModelSpec:
-        return MODELS[self.model]
-
-
-def parse_step_id(sid: str) -> Step:
-    if sid in ("pinned", "disk"):
-        return Step(sid)
-    kind, model, backend, arm, p = sid.split(":")
-    if kind not in ("restore", "cold", "bytes") or model not in MODELS or backend not in BACKENDS:
-        raise ValueError(f"bad step id {sid!r}")
-    return Step(kind, model, backend, arm, int(p))
-
-
-def default_steps(arm: str, plain_cold: bool = False) -> list[Step]:
-    if arm == "pristine":
-        return [Step("bytes", m, "FLASHINFER", arm, LENGTHS[0]) for m in MODELS]
-    out = [Step("pinned"), Step("disk")]
-    for m in MODELS:
-        out += [Step("restore", m, "FLASHINFER", arm, p) for p in LENGTHS]
-    out += [Step("restore", BIG_MODEL, "FLASH_ATTN", arm, p) for p in FA_LENGTHS]
-    if plain_cold:
-        out += [Step("cold", m, "FLASHINFER", arm, p) for m in MODELS for p in LENGTHS]
-    return out
-
-
-def step_pool(arm: str) -> list[Step]:
-    out = [Step("pinned"), Step("disk")]
-    for kind in ("restore", "cold", "bytes"):
-        out += [Step(kind, m, b, arm, p) for m in MODELS for b in BACKENDS for p in LENGTHS]
-    return out
-
-
-def select_steps(selector: str, arm: str, plain_cold: bool = False) -> list[Step]:
-    """default | comma-separated step ids or regexes over ids (for this arm)."""
-    if selector == "default":
-        return default_steps(arm, plain_cold)
-    pool = step_pool(arm)
-    out: list[Step] = []
-    for part in (p.strip() for p in selector.split(",") if p.strip()):
-        hits = [s for s in pool if s.id == part] or [s for s in pool if re.fullmatch(part, s.id)]
-        if not hits:
-            hits = [parse_step_id(part)]
-        out += [s for s in hits if s not in out]
-    return out
-
-
-# ---------------------------------------------------------------------------------------
-# Targets and reporting (pure)
-# ---------------------------------------------------------------------------------------
-
-
-def _rec(results: dict[str, Any], sid: str) -> dict[str, Any] | None:
-    r = results.get("records", {}).get(sid)
-    return r if r and r.get("ok") else None
-
-
-def _retrieve_gbps(r: dict[str, Any] | None) -> tuple[float | None, str]:
-    if not r:
-        return None, "-"
-    timed = timed_copy_gbps(r.get("copy_stats"), "retrieve", r.get("hit_tokens"))
-    if timed:
-        return timed, "LMCache's stream-timed H2D copy"
-    b = restore_breakdown(r)
-    if b and b["retrieve_gbps_lower_bound"]:
-        return b["retrieve_gbps_lower_bound"], "lower bound: hit bytes / (restore TTFT - prefetch)"
-    return r.get("restore_effective_gbps"), "lower bound: hit bytes / restore TTFT"
-
-
-def page_cache_state(rec: dict[str, Any]) -> str:
-    """Whether the restore read its L2 files from disk ("dropped") or the page cache ("kept")."""
-    pc = rec.get("page_cache")
-    if not pc:
-        return "-"
-    return "dropped" if pc.get("dropped") else "kept"
-
-
-def evaluate_targets(results: dict[str, Any], arm: str = "patched") -> list[dict[str, Any]]:
-    """The four issue-9 targets; value None (not measured) counts as missed."""
-    out: list[dict[str, Any]] = []
-
-    def add(name: str, value: float | None, need: float, detail: str) -> None:
+def evaluate_targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The README's targets on the 9B-class model; not measured, or not correct, is missed."""
+    checks = [(arm, p, need, "speedup") for (arm, p), need in SPEEDUP_TARGETS.items()]
+    checks += [
+        ("default", p, BOUND_TARGET, "bound")
+        for p in LENGTHS.values()
+        if row_key(TARGET_MODEL, p, "default") in rows
+    ]
+    out = []
+    for arm, p, need, kind in checks:
+        r = rows.get(row_key(TARGET_MODEL, p, arm)) or {}
+        bound = (r.get("disk_bound") or {}).get("bound_over_restore")
+        value = r.get("speedup") if kind == "speedup" else bound
+        detail = f"cold arm / {arm} median TTFT" if kind == "speedup" else "disk bound / TTFT"
+        resident = (r.get("page_cache") or {}).get("resident_fraction")
+        if arm == "pagecache" and resident is not None and resident < 0.95:
+            detail += f"; only {resident:.0%} of the L2 bytes were in the page cache"
         out.append(
             {
-                "target": name,
+                "target": f"{arm}_{kind}_{p // 1024}k",
                 "value": value,
                 "threshold": need,
-                "met": value is not None and value >= need,
-                "detail": detail,
+                "met": value is not None and value >= need and bool(r.get("correct")),
+                "detail": f"{TARGET_MODEL}, {p} tokens: {detail}",
             }
         )
-
-    for label, p in (("26k", 26624), ("128k", 131072)):
-        r = _rec(results, f"restore:{BIG_MODEL}:FLASHINFER:{arm}:{p}")
-        kept = bool(r) and page_cache_state(r) == "kept"
-        add(
-            f"ttft_speedup_{label}",
-            r.get("speedup_ttft") if r else None,
-            TARGETS[f"ttft_speedup_{label}"],
-            f"{BIG_MODEL} FlashInfer, P={p}: cold TTFT / restore TTFT"
-            + (
-                ", L2 files left in the page cache (a same-host restart, not a disk read)"
-                if kept
-                else ""
-            ),
-        )
-    fi_len = [
-        p
-        for p in LENGTHS
-        if _rec(results, f"restore:{BIG_MODEL}:FLASHINFER:{arm}:{p}")
-        and _rec(results, f"restore:{BIG_MODEL}:FLASH_ATTN:{arm}:{p}")
-    ]
-    if fi_len:
-        p = max(fi_len)
-        a, src = _retrieve_gbps(_rec(results, f"restore:{BIG_MODEL}:FLASHINFER:{arm}:{p}"))
-        b, _ = _retrieve_gbps(_rec(results, f"restore:{BIG_MODEL}:FLASH_ATTN:{arm}:{p}"))
-        add(
-            "retrieve_vs_flash_attn",
-            ratio(a, b),
-            TARGETS["retrieve_vs_flash_attn"],
-            f"P={p}, FlashInfer (subpaged) / FLASH_ATTN retrieve GB/s ({src})",
-        )
-    else:
-        add(
-            "retrieve_vs_flash_attn",
-            None,
-            TARGETS["retrieve_vs_flash_attn"],
-            "needs FLASHINFER and FLASH_ATTN restore at one length",
-        )
-    fi = [p for p in LENGTHS if _rec(results, f"restore:{BIG_MODEL}:FLASHINFER:{arm}:{p}")]
-    pinned = _rec(results, "pinned")
-    h2d = pinned.get("h2d_gbps") if pinned else None
-    if fi:
-        p = max(fi)
-        a, src = _retrieve_gbps(_rec(results, f"restore:{BIG_MODEL}:FLASHINFER:{arm}:{p}"))
-        add(
-            "retrieve_vs_pinned_h2d",
-            ratio(a, h2d),
-            TARGETS["retrieve_vs_pinned_h2d"],
-            f"P={p}, retrieve GB/s ({src}) / pinned H2D {h2d and round(h2d, 1)} GB/s",
-        )
-    else:
-        add(
-            "retrieve_vs_pinned_h2d",
-            None,
-            TARGETS["retrieve_vs_pinned_h2d"],
-            "needs a FLASHINFER restore of the 9B-class model",
-        )
     return out
+
+
+def summarize(results: dict[str, Any]) -> None:
+    """Rows' cold TTFT, speedup, disk bound; the top-level views, targets and findings."""
+    rows, ordered = results["rows"], sorted(results["rows"].values(), key=sort_key)
+    for r in (r for r in ordered if r["arm"] != "cold"):
+        cold = rows.get(row_key(r["model"], r["prompt_tokens"], "cold")) or {}
+        r["cold_ttft_s"], ttft = cold.get("cold_ttft_s"), r.get("restore_ttft_s")
+        r["speedup"] = r["cold_ttft_s"] / ttft if r["cold_ttft_s"] and ttft else None
+        r["disk_bound"] = bound_of(r)
+    keep = (
+        "model",
+        "prompt_tokens",
+        "ok",
+        "cold_ttft_s",
+        "restore_ttft_s",
+        "speedup",
+        "hit_tokens",
+        "read_bytes",
+        "h2d_gbps",
+        "correct",
+        "errors",
+    )
+    results["default"] = [{k: r.get(k) for k in keep} for r in ordered if r["arm"] == "default"]
+    results["offloadingconnector"] = {
+        "kv_transfer_config": offloading_transfer_config(Path("ROOT_DIR"), 0, "ENGINE_ID"),
+        "rows": [{k: r.get(k) for k in keep} for r in ordered if r["arm"] == "offloading"],
+    }
+    results["disk_bound"] = {
+        "definition": "L2 bytes read / sequential read rate + the same bytes / pinned H2D rate",
+        "rows": [
+            {"arm": r["arm"], **{k: r[k] for k in keep[:2]}, **r["disk_bound"]}
+            for r in ordered
+            if r.get("disk_bound")
+        ],
+    }
+    results["targets"] = evaluate_targets(rows)
+    results["findings"] = [f for r in ordered for f in r.get("findings") or []]
 
 
 _f = gate.fmt
+HEADER = (
+    "model | prompt | arm | hit | cold | restore (n) | speedup | cold in engine | L2 GB read"
+    " | H2D GB/s (timed) | bound s | bound/restore | page cache | KV bytes | tokens | errors"
+)
 
 
 def markdown_report(results: dict[str, Any]) -> str:
-    recs = results.get("records", {})
-    runs = results.get("runs", [])
-    last = runs[-1] if runs else {}
+    run = (results.get("runs") or [{}])[-1]
     lines = [
-        f"# GPU restore benchmark ({results.get('created', '?')})",
+        f"# GPU restore bench ({results.get('created')})",
         "",
-        f"- hardware: {last.get('hardware')}",
-        f"- versions: {last.get('versions')}",
-        f"- extra server args: {last.get('server_args') or 'none'}",
-        f"- L2 filesystem: {last.get('l2_fs')}",
-        f"- invocations: {len(runs)}; records: {len(recs)} "
-        f"({sum(1 for r in recs.values() if not r.get('ok'))} failed)",
+        f"- hardware: {run.get('hardware')}",
+        f"- versions: {run.get('versions')}",
+        f"- L2 filesystem: {run.get('l2_fs')}; /dev/shm free GB: {run.get('dev_shm_gb')}",
+        f"- probed rates (GB/s): {run.get('rates')}",
         "",
+        "TTFT s, medians; cold in engine: the restore engine's colds, in turn.",
+        "",
+        f"| {HEADER} |",
+        "|" + "---|" * (HEADER.count("|") + 1),
     ]
-    pin, disk = recs.get("pinned") or {}, recs.get("disk") or {}
-    lines += [
-        "## Physical limits",
-        "",
-        "| pinned H2D GB/s | pinned D2H GB/s | disk write GB/s | disk read GB/s (O_DIRECT) "
-        "| disk read GB/s (after fadvise) | page-cache read GB/s |",
-        "|---|---|---|---|---|---|",
-        f"| {_f(pin.get('h2d_gbps'))} | {_f(pin.get('d2h_gbps'))} | {_f(disk.get('write_gbps'))} "
-        f"| {_f((disk.get('direct_read') or {}).get('gbps'))} "
-        f"| {_f((disk.get('cold_read') or {}).get('gbps'))} "
-        f"| {_f((disk.get('warm_read') or {}).get('gbps'))} |",
-        "",
-        "## TTFT: cold prefill vs disk-only restore after a full restart",
-        "",
-        "| model | backend | N/page/r | prompt | hit % | cold TTFT s | restore TTFT s | speedup "
-        "| cold request s | restore request s | restart-to-first-token s | L2 page cache |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    rows = [r for r in recs.values() if r.get("kind") == "restore"]
-    rows.sort(key=lambda r: (r["model"], r["backend"], r["prompt_tokens"]))
-    for r in rows:
-        g = r.get("geometry", {})
-        lines.append(
-            f"| {r['model']} | {r['backend']} | {g.get('block_size')}/{g.get('kernel_page')}/"
-            f"{g.get('ratio')} | {r['prompt_tokens']} | {_f(r.get('hit_pct'))} "
-            f"| {_f(r.get('cold_ttft_s'))} | {_f(r.get('restore_ttft_s'))} "
-            f"| {_f(r.get('speedup_ttft'))} | {_f(r.get('cold_request_s'))} "
-            f"| {_f(r.get('restore_request_s'))} | {_f(r.get('restart_to_first_token_s'))} "
-            f"| {page_cache_state(r)} |"
-            + ("" if r.get("ok") else f" ERROR: {'; '.join(r.get('errors', []))[:200]}")
-        )
-    colds = [r for r in recs.values() if r.get("kind") == "cold" and r.get("ok")]
-    if colds:
-        lines += ["", "Plain cold (engine without LMCache):", ""]
-        lines += [
-            f"- {r['model']} {r['backend']} P={r['prompt_tokens']}: "
-            f"TTFT {_f(r.get('cold_ttft_s'))} s"
-            for r in sorted(colds, key=lambda r: (r["model"], r["prompt_tokens"]))
+    for r in sorted(results["rows"].values(), key=sort_key):
+        b, pc, gb = r.get("disk_bound") or {}, r.get("page_cache") or {}, r.get("read_bytes")
+        cache = {True: "dropped", False: "kept"}.get(pc.get("dropped"), "-")
+        cache += f" ({_f(pc.get('resident_fraction'), 2)} resident)" if pc else ""
+        cells = [
+            r["model"],
+            r["prompt_tokens"],
+            r["arm"],
+            r.get("hit_tokens"),
+            r.get("cold_ttft_s"),
+            f"{_f(r.get('restore_ttft_s'))} ({len(r.get('restores') or [])})",
+            r.get("speedup"),
+            r.get("cold_in_engine_s"),
+            gb / GB if gb else None,
+            f"{_f(r.get('h2d_gbps'))} ({r.get('h2d_timed', 0)})",
+            b.get("bound_s"),
+            b.get("bound_over_restore"),
+            cache,
+            (r.get("kv") or {}).get("match"),
+            r.get("tokens_match"),
+            "; ".join(r.get("errors") or [])[:200],
         ]
-    lines += [
-        "",
-        "## Where the restore time goes (GB/s = 1e9 B/s)",
-        "",
-        'The server\'s "Retrieved N tokens" lines time the enqueue of the asynchronous copies,',
-        "not the copies, so the H2D retrieve rate is bounded from below: hit bytes / (restore",
-        "TTFT - L2 prefetch). Runs since 2026-11-30 also record LMCache's own stream-timed copy",
-        "rate (--enable-extra-logging: bytes between MP_RETRIEVE_START and _END on the CUDA",
-        "stream; D2H for the store), over all of the server's requests.",
-        "",
-        "| model | backend | prompt | bytes/chunk | FA share | hit GB | L2->L1 prefetch s "
-        "| prefetch GB/s | prefetch share of TTFT | after prefetch s | retrieve GB/s (lower bound) "
-        "| restore effective GB/s | H2D copy GB/s (stream-timed) | D2H copy GB/s (store) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        lines.append("| " + " | ".join(_f(c) for c in cells) + " |")
+    lines += ["", "## Targets", ""] + [
+        f"- {t['target']}: {_f(t['value'])} vs >= {t['threshold']}: "
+        f"{'met' if t['met'] else 'MISSED'} ({t['detail']})"
+        for t in results.get("targets") or []
     ]
-    for r in rows:
-        if not r.get("ok"):
-            continue
-        e = r.get("expected_chunk_bytes", {})
-        share = e.get("fa", 0) / e["total"] if e.get("total") else None
-        b = restore_breakdown(r) or {}
-        approx = "" if b.get("prefetch_exact", True) else " (split)"
-        lines.append(
-            f"| {r['model']} | {r['backend']} | {r['prompt_tokens']} "
-            f"| {_f(chunk_object_bytes(r), 6)} | {_f(share, 2)} "
-            f"| {_f(b.get('hit_bytes', 0) / GB if b else None)} "
-            f"| {_f(b.get('prefetch_s'))}{approx} | {_f(b.get('prefetch_gbps'))} "
-            f"| {_f(b.get('prefetch_share_of_ttft'))} | {_f(b.get('after_prefetch_s'))} "
-            f"| {_f(b.get('retrieve_gbps_lower_bound'))} "
-            f"| {_f(gbps(b['hit_bytes'], r['restore_ttft_s']) if b else None)} "
-            f"| {_f(timed_copy_gbps(r.get('copy_stats'), 'retrieve', r.get('hit_tokens')))} "
-            f"| {_f(timed_copy_gbps(r.get('store_copy_stats'), 'store', r.get('hit_tokens')))} |"
-        )
-    lines += [
-        "",
-        "## Bytes per chunk object (chunk = N), patched vs pristine",
-        "",
-        "| model | r | patched expected | patched L2 | pristine expected | pristine L2 "
-        "| FA bytes patched | FA bytes pristine |",
-        "|---|---|---|---|---|---|---|---|",
+    found = [
+        f"- {f['model']} {f['prompt_tokens']} {f['arm']}: {f['what'][:600]}"
+        for f in results.get("findings") or []
     ]
-    for name, m in MODELS.items():
-        g = gate.expected_geometry(m)
-        pa, pr = chunk_bytes(m, g.block_size, "patched"), chunk_bytes(m, g.block_size, "pristine")
-        obs = {"patched": None, "pristine": None}
-        for r in recs.values():
-            if r.get("model") == name and r.get("backend") == "FLASHINFER" and r.get("ok"):
-                bpo = chunk_object_bytes(r)
-                if bpo and r.get("arm") in obs:
-                    obs[r["arm"]] = bpo
-        lines.append(
-            f"| {name} | {g.ratio} | {pa['total']} | {_f(obs['patched'], 12)} | {pr['total']} "
-            f"| {_f(obs['pristine'], 12)} | {pa['fa']} | {pr['fa']} |"
-        )
-    lines += ["", "## Targets", ""]
-    for t in evaluate_targets(results):
-        lines.append(
-            f"- {t['target']}: {_f(t['value'])} vs >= {t['threshold']}: "
-            f"{'met' if t['met'] else 'MISSED'} ({t['detail']})"
-        )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", "## Findings", "", *(found or ["- none"])]) + "\n"
 
 
 def load_results(path: Path) -> dict[str, Any]:
@@ -628,646 +457,330 @@ def load_results(path: Path) -> dict[str, Any]:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         data = {}
-    if data.get("schema") != SCHEMA:
-        data = {
-            "schema": SCHEMA,
-            "created": _dt.date.today().isoformat(),
-            "runs": [],
-            "records": {},
-        }
-    return data
+    new = {"schema": SCHEMA, "created": _dt.date.today().isoformat(), "runs": [], "rows": {}}
+    return data if data.get("schema") == SCHEMA else new
 
 
 def write_results(results: dict[str, Any], path: Path) -> None:
+    """<stem>.json, <stem>.md and, where matplotlib imports, <stem>-ttft.png."""
+    summarize(results)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
-    path.with_suffix(".md").write_text(markdown_report(results))
+    gate.atomic_write(path, json.dumps(results, indent=1, default=str) + "\n")
+    gate.atomic_write(path.with_suffix(".md"), markdown_report(results))
+    plot_ttft(results, path)
 
 
-# ---------------------------------------------------------------------------------------
-# Node side: probes
-# ---------------------------------------------------------------------------------------
+def plot_ttft(results: dict[str, Any], path: Path) -> Path | None:
+    """<stem>-ttft.png: TTFT per model and arm against prompt length (None: no matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for model, arm in sorted({(r["model"], r["arm"]) for r in results["rows"].values()}):
+        key, label = "cold_ttft_s" if arm == "cold" else "restore_ttft_s", f"{model} {arm}"
+        pts = sorted(
+            (r["prompt_tokens"] / 1024, r[key])
+            for r in results["rows"].values()
+            if (r["model"], r["arm"]) == (model, arm) and r.get(key)
+        )
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "o-" if model == TARGET_MODEL else "s:", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="prompt (k tokens)", ylabel="TTFT (s)")
+    ax.legend(fontsize=7)
+    fig.savefig(out := path.with_name(f"{path.stem}-ttft.png"), dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
 
 _PINNED_PROBE = r"""
-import json, statistics, torch
-n, reps = %d, %d
-h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+import json, torch
+n, out = 256 << 20, []
+h = torch.empty(n, dtype=torch.uint8).pin_memory()
 d = torch.empty(n, dtype=torch.uint8, device="cuda")
-def run(fn):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); e.synchronize()
-        out.append(s.elapsed_time(e) / 1e3)
-    return out
-h2d = run(lambda: d.copy_(h, non_blocking=True))
-d2h = run(lambda: h.copy_(d, non_blocking=True))
-print("BENCH-PINNED " + json.dumps({"bytes": n, "reps": reps, "h2d_s": h2d, "d2h_s": d2h,
-      "device": torch.cuda.get_device_name(0)}))
+for i in range(13):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record(); d.copy_(h, non_blocking=True); e.record(); e.synchronize()
+    out.append(s.elapsed_time(e) / 1e3)
+print("BENCH-PINNED " + json.dumps({"bytes": n, "h2d_s": out[3:]}))
 """
 
 
-def pinned_probe(py: str, nbytes: int = 256 << 20, reps: int = 10) -> dict[str, Any]:
-    cp = subprocess.run(
-        [py, "-c", _PINNED_PROBE % (nbytes, reps)], capture_output=True, text=True, timeout=300
-    )
+def pinned_probe(py: str) -> dict[str, Any]:
+    """Pinned host -> GPU copy rate: 256 MiB, median of 10 after 3 warm-ups."""
+    cp = subprocess.run([py, "-c", _PINNED_PROBE], capture_output=True, text=True, timeout=300)
     for line in cp.stdout.splitlines():
         if line.startswith("BENCH-PINNED "):
-            d = json.loads(line[len("BENCH-PINNED ") :])
-            d["h2d_gbps"] = gbps(d["bytes"], statistics.median(d["h2d_s"]))
-            d["d2h_gbps"] = gbps(d["bytes"], statistics.median(d["d2h_s"]))
-            d["h2d_gbps_max"] = gbps(d["bytes"], min(d["h2d_s"]))
-            d["d2h_gbps_max"] = gbps(d["bytes"], min(d["d2h_s"]))
-            d["ok"] = True
-            return d
-    return {"ok": False, "errors": [(cp.stderr or cp.stdout)[-1500:]]}
+            d = json.loads(line.split(" ", 1)[1])
+            return {**d, "h2d_gbps": d["bytes"] / statistics.median(d["h2d_s"]) / GB}
+    return {"error": (cp.stderr or cp.stdout)[-1500:]}
 
 
-def drop_from_page_cache(paths: Iterable[Path]) -> dict[str, Any]:
-    """fsync + POSIX_FADV_DONTNEED per file (no root needed; no effect on tmpfs)."""
-    done = failed = 0
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            failed += 1
-            continue
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            done += 1
-        except OSError:
-            failed += 1
-        finally:
-            os.close(fd)
-    return {"files": done, "failed": failed}
-
-
-def fincore_sample(paths: Sequence[Path], n: int = 3) -> str | None:
-    """Resident pages of a few files (util-linux fincore), to show the drop worked."""
-    exe = shutil.which("fincore")
-    if not exe or not paths:
-        return None
-    try:
-        cp = subprocess.run([exe, *map(str, paths[:n])], capture_output=True, text=True, timeout=30)
-        return (cp.stdout or cp.stderr)[-800:]
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"fincore failed: {e}"
-
-
-def _read_all(fd: int, buf: mmap.mmap) -> int:
-    total = 0
-    while True:
-        n = os.readv(fd, [buf])
-        if n <= 0:
-            return total
-        total += n
-
-
-def disk_probe(folder: Path, gib: float = 4.0, block: int = 64 << 20) -> dict[str, Any]:
+def disk_probe(folder: Path, gib: float = 4.0, chunk: int = 64 << 20) -> dict[str, Any]:
+    """Write ``gib`` (fsync), read it with O_DIRECT, buffered after DONTNEED, then cached."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "bench-disk-probe.bin"
-    count = max(1, int(gib * GIB) // block)
-    data = bytes(range(256)) * (block // 256)
-    res: dict[str, Any] = {"path": str(path), "bytes": count * block, "ok": True}
+    path, count = folder / "bench-disk-probe.bin", max(1, int(gib * GIB) // chunk)
+    res: dict[str, Any] = {"bytes": count * chunk}
+    buf, t0 = mmap.mmap(-1, chunk), time.perf_counter()  # page aligned, as O_DIRECT needs
     try:
-        t0 = time.perf_counter()
         with open(path, "wb", buffering=0) as f:
             for _ in range(count):
-                f.write(data)
+                f.write(bytes(range(256)) * (chunk // 256))
             os.fsync(f.fileno())
-        res["write_gbps"] = gbps(count * block, time.perf_counter() - t0)
-        del data
-        buf = mmap.mmap(-1, block)  # page aligned, as O_DIRECT needs
-        drop_from_page_cache([path])
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        res["write_gbps"] = count * chunk / (time.perf_counter() - t0) / GB
+        for label, flags in (("direct_read", os.O_DIRECT), ("cold_read", 0), ("warm_read", 0)):
+            if label != "warm_read":
+                fs_l2_read.drop_cache([path])
             try:
-                t0 = time.perf_counter()
-                n = _read_all(fd, buf)
-                res["direct_read"] = {"bytes": n, "gbps": gbps(n, time.perf_counter() - t0)}
-            finally:
-                os.close(fd)
-        except (OSError, AttributeError) as e:
-            res["direct_read"] = {"error": f"{type(e).__name__}: {e}"}
-        for label, drop in (("cold_read", True), ("warm_read", False)):
-            if drop:
-                drop_from_page_cache([path])
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                t0 = time.perf_counter()
-                n = _read_all(fd, buf)
-                res[label] = {"bytes": n, "gbps": gbps(n, time.perf_counter() - t0)}
-            finally:
-                os.close(fd)
-        buf.close()
-    except OSError as e:
-        res.update(ok=False, errors=[f"{type(e).__name__}: {e}"])
+                with open(os.open(path, os.O_RDONLY | flags), "rb", buffering=0) as f:
+                    t0, n = time.perf_counter(), 0
+                    while k := f.readinto(buf):
+                        n += k
+                res[label] = n / (time.perf_counter() - t0) / GB
+            except OSError as e:
+                res[label], res[f"{label}_error"] = None, f"{type(e).__name__}: {e}"
     finally:
         path.unlink(missing_ok=True)
-    res["fs"] = filesystem_of(folder)
     return res
 
 
-def filesystem_of(path: Path) -> dict[str, Any]:
-    """Mount point, fs type and device of ``path`` from /proc/mounts (longest prefix)."""
-    best: dict[str, Any] = {}
-    p = str(Path(path).resolve())
-    try:
-        for line in Path("/proc/mounts").read_text().splitlines():
-            dev, mnt, fstype = line.split()[:3]
-            if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
-                best.get("mount", "")
-            ):
-                best = {"mount": mnt, "type": fstype, "device": dev}
-        st = os.statvfs(p)
-        best["free_gb"] = round(st.f_bavail * st.f_frsize / GB, 1)
-    except OSError as e:
-        best["error"] = str(e)
-    return best
-
-
-# ---------------------------------------------------------------------------------------
-# Node side: engine steps (through the gate's server and engine_proc)
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Node:
-    arm: str
-    lmcache_dir: Path
-    work: Path
-    python: str = sys.executable
-    engine_timeout: float = 560.0
-    keep_page_cache: bool = False
-    profile: bool = False  # torch.profiler around each restore request
-
-
-def write_bench_model(m: gate.ModelSpec, root: Path) -> Path:
-    """The gate's config with max_position_embeddings raised for 128k prompts."""
-    cfg = gate.model_config_dict(m)
-    target = cfg.get("text_config", cfg)
-    target["max_position_embeddings"] = MAX_POSITIONS
-    d = Path(root) / m.name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
-    return d
-
-
-def bench_engine_spec(
-    step: Step, role: str, model_dir: Path, port: int | None, l2_dir: Path | None
-) -> dict[str, Any]:
-    m = step.spec
-    g = backend_geometry(m, step.backend)
-    n = g.block_size
-    p = step.prompt_tokens
-    prompt = gate.make_prompt(p, seed=1)
-    spec: dict[str, Any] = {
-        "role": role,
-        "model_dir": str(model_dir),
-        "language_model_only": m.family == "qwen3_5",
-        "tensor_parallel_size": 1,
-        "gpu_memory_utilization": GPU_MEMORY_UTILIZATION[step.model],
-        "max_num_batched_tokens": 2 * n - 1,  # LMCache 0.5.3: N <= batched < 2N
-        "max_model_len": max_model_len(p, n),
-        "prompt": prompt,
-        "warmup": gate.make_prompt(2 * n + 3, seed=2),
-        "health": gate.make_prompt(3 * n + 17, seed=3),
-        "prompt_key": gate.prompt_key(prompt),
-        "new_tokens": 1,  # TTFT
-        "top_k": None,
-        "weight_seed": gate.WEIGHT_SEED,
-        "weight_std": None,  # dummy weights
-        "kv_hashes": False,
-        "log_stats": True,
-        "attention_backend": step.backend,
-        "layout": "NHD",
-    }
-    if port is not None:
-        spec["lmcache"] = {
-            "module_path": gate.CONNECTOR_MODULE,
-            "extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port},
-        }
-    if role == "store" and l2_dir is not None:
-        spec["l2"] = str(l2_dir)
-        spec["l2_min_objects"] = p // n
-    return spec
-
-
-def _engine_summary(r: dict[str, Any] | None) -> dict[str, Any] | None:
-    if r is None:
+def resident(paths: Sequence[Path]) -> float | None:
+    """Share of the files' bytes in the page cache (util-linux fincore; None without it)."""
+    if not (exe := shutil.which("fincore")) or not paths:
         return None
-    keep = (
-        "ok",
-        "error",
-        "engine_up_s",
-        "process_s",
-        "gen_s",
-        "num_cached_tokens",
-        "metrics",
-        "cache_block_size",
-        "mamba_page_size_padded",
-        "l2_wait",
-        "ttft_s",
-        "timeline",
-        "profile",
-        "health",
-        "rc",
-        "log_facts",
-    )
-    return {k: r.get(k) for k in keep if k in r}
+    out = subprocess.run([exe, "-bnr", "-o", "RES,SIZE", *map(str, paths)], capture_output=True)
+    got = [line.split() for line in out.stdout.decode().splitlines()]
+    size = sum(int(s) for _, s in got)
+    return sum(int(r) for r, _ in got) / size if size else None
 
 
-def run_cold_step(step: Step, node: Node) -> dict[str, Any]:
-    wd = node.work / step.id.replace(":", "_")
-    shutil.rmtree(wd, ignore_errors=True)
-    wd.mkdir(parents=True)
-    model_dir = write_bench_model(step.spec, node.work / "models")
-    env = gate.child_env(node.lmcache_dir, "NHD")
-    res = gate.run_engine(
-        node.python,
-        env,
-        bench_engine_spec(step, "cold", model_dir, None, None),
-        wd,
-        "cold",
-        node.engine_timeout,
-    )
-    return {
-        "ok": bool(res.get("ok")),
-        "errors": [] if res.get("ok") else [str(res.get("error"))[-1500:]],
-        "cold_ttft_s": ttft_of(res),
-        "cold_request_s": res.get("gen_s"),
-        "engine": _engine_summary(res),
-    }
+class Bench:
+    """One invocation's phases; each row it measures is written at once."""
 
+    def __init__(self, a: argparse.Namespace, results: dict[str, Any]) -> None:
+        self.a, self.results, self.py, self.rates = a, results, sys.executable, {}
+        self.end = time.monotonic() + a.time_limit_s if a.time_limit_s else math.inf
 
-def run_store_restore_step(step: Step, node: Node) -> dict[str, Any]:
-    """restore: store + restart + restore. bytes: store only (L2 object size)."""
-    m = step.spec
-    g = backend_geometry(m, step.backend)
-    n = g.block_size
-    wd = node.work / step.id.replace(":", "_")
-    shutil.rmtree(wd, ignore_errors=True)
-    l2 = wd / "l2"
-    l2.mkdir(parents=True)
-    model_dir = write_bench_model(m, node.work / "models")
-    env = gate.child_env(node.lmcache_dir, "NHD")
-    expect = chunk_bytes(m, n, "patched" if step.arm != "pristine" else "pristine", step.backend)
-    total = (step.prompt_tokens // n + 2) * expect["total"]
-    l1 = l1_size_gb(total)
-    rec: dict[str, Any] = {
-        "geometry": asdict(g),
-        "chunk": n,
-        "l1_size_gb": l1,
-        "expected_chunk_bytes": expect,
-        "expected_pristine_chunk_bytes": chunk_bytes(m, n, "pristine", step.backend),
-        "errors": [],
-    }
-    store = restore = None
-    procs: list[subprocess.Popen[Any]] = []
-    try:
-        port = gate.free_port()
-        srv = gate.start_server(
-            node.python,
-            env,
-            port,
-            n,
-            l2,
-            wd / "server1.log",
-            l1_size_gb=l1,
-            extra_args=SERVER_STATS_ARGS,
-        )
-        procs.append(srv)
-        store = gate.run_engine(
-            node.python,
-            env,
-            bench_engine_spec(step, "store", model_dir, port, l2),
-            wd,
-            "store",
-            node.engine_timeout,
-        )
-        rec["l2_after_store"] = gate.wait_l2_stable(
-            l2, step.prompt_tokens // n, timeout=60 + total / GB / 0.5
-        )
-        gate.kill_group(srv)
-        log1 = (wd / "server1.log").read_text(errors="replace")
-        inv = gate.l2_inventory(l2)
-        bpo = inv["bytes"] / inv["objects"] if inv["objects"] else 0.0
-        rec["l2"] = {**inv, "bytes_per_object": bpo}
-        rec["store_log"] = transfer_rate(parse_server_log(log1)["stored"], bpo / n)
-        rec["store_copy_stats"] = parse_copy_stats(log1)
-        rec["cold_ttft_s"] = ttft_of(store)
-        rec["cold_request_s"] = (store or {}).get("gen_s")
-        if not store or not store.get("ok"):
-            rec["errors"].append(f"store: {(store or {}).get('error')}"[-1500:])
-        if step.kind == "restore" and store and store.get("ok"):
-            files = sorted(l2.rglob("*.data"))
-            if node.keep_page_cache:
-                rec["page_cache"] = {"dropped": False}
-            else:
-                t0 = time.perf_counter()
-                rec["page_cache"] = {
-                    "dropped": True,
-                    **drop_from_page_cache(files),
-                    "drop_s": round(time.perf_counter() - t0, 2),
-                    "fincore": fincore_sample(files),
-                }
-            t_restart = time.perf_counter()
-            port = gate.free_port()
-            srv = gate.start_server(
-                node.python,
-                env,
-                port,
-                n,
-                l2,
-                wd / "server2.log",
-                l1_size_gb=l1,
-                extra_args=SERVER_STATS_ARGS,
+    def save(self) -> None:
+        write_results(self.results, self.a.results)
+
+    def done(self, m: gate.ModelSpec, p: int, arm: str) -> bool:
+        r = self.results["rows"].get(row_key(m.name, p, arm))
+        return bool(r and r.get("ok")) and not self.a.redo
+
+    def row(self, m: gate.ModelSpec, p: int, arm: str) -> dict[str, Any]:
+        r = {
+            "model": m.name,
+            "prompt_tokens": p,
+            "arm": arm,
+            "rates": self.rates,
+            "errors": [],
+            "findings": [],
+            "geometry": vars(gate.expected_geometry(m)),
+        }
+        self.results["rows"][row_key(m.name, p, arm)] = r
+        return r
+
+    def setup(self, name: str, m: gate.ModelSpec, lmc: Path | None, layout: str) -> Any:
+        """A fresh work folder, the model folder (positions raised for 128k), the engines' env."""
+        shutil.rmtree(wd := self.a.work / name, ignore_errors=True)
+        wd.mkdir(parents=True)
+        md = gate.write_model_dir(m, self.a.work / "models")
+        cfg = json.loads((md / "config.json").read_text())
+        cfg.get("text_config", cfg)["max_position_embeddings"] = MAX_POSITIONS
+        gate.atomic_write(md / "config.json", json.dumps(cfg) + "\n")
+        env = gate.child_env(lmc, layout)
+        env["PYTHONHASHSEED"] = "0"  # vLLM's block hashes name the OffloadingConnector's files
+        return wd, md, env
+
+    def engine(self, env: dict[str, str], spec: dict[str, Any], wd: Path, role: str) -> Any:
+        left = self.end - time.monotonic()
+        if left < MIN_ENGINE_S:
+            raise Skipped(f"not run: {max(left, 0):.0f} s of --time-limit-s left for {role}")
+        print(f"[bench] {wd.name}: {role} engine", flush=True)
+        return gate.run_engine(self.py, env, spec, wd, role, min(self.a.engine_timeout, left))
+
+    def colds_fit(self, m: gate.ModelSpec, p: int, engines: int) -> bool:
+        """Whether restore engines also time (so store) colds: where L2 has room for them."""
+        stored = 3 * prompt_bytes(m, p) + prompt_bytes(m, min(p, WARM_BLOCKS * block(m)))
+        if (free := shutil.disk_usage(self.a.work).free) < DISK_MARGIN * stored:
+            raise Skipped(f"L2 needs {DISK_MARGIN * stored / GB:.0f} GB, {free / GB:.0f} free")
+        return free >= DISK_MARGIN * (stored + engines * (RESTORES + 1) * prompt_bytes(m, p))
+
+    def cold_phase(self, m: gate.ModelSpec, lengths: Sequence[int]) -> None:
+        """One engine, no connector, all lengths: per length a warm-up c0, RESTORES timed."""
+        rows = {p: self.row(m, p, "cold") for p in lengths}
+        try:
+            wd, md, env = self.setup(f"{m.name}-cold", m, None, "NHD")
+            spec = {**engine_spec(m, max(lengths), "cold", md), "prompt": prompt(999, "cold")}
+            spec["timed_pairs"] = [
+                {f"c{i}": prompt(p, f"cold-{i}") for i in range(RESTORES + 1)} for p in lengths
+            ]
+            res = self.engine(env, spec, wd, "cold")
+            if not res.get("ok"):
+                raise StepError(f"cold engine: {str(res.get('error'))[-1500:]}")
+            for p, pair in zip(lengths, res.get("timed_pairs") or [], strict=False):
+                colds = [pair[f"c{i}"] for i in range(1, RESTORES + 1)]
+                ttfts = [c["ttft_s"] for c in colds if not c.get("num_cached_tokens")]
+                rows[p].update(cold_ttfts_s=ttfts, cold_ttft_s=median(ttfts))
+        except StepError as e:
+            for r in rows.values():
+                r["errors"].append(str(e))
+        for r in rows.values():
+            r["ok"] = not r["errors"] and len(r.get("cold_ttfts_s") or []) == RESTORES
+        self.save()
+
+    def restore_phase(self, m: gate.ModelSpec, p: int, arms: Sequence[str], lmc: Any = None) -> Any:
+        """Store once, then per arm restart and restore: LMCache server and engine (pagecache
+        first, the files still cached); the OffloadingConnector (arms == ["offloading"]) engine."""
+        rows, procs, offload = {a: self.row(m, p, a) for a in arms}, [], arms == ["offloading"]
+        name, pb = f"{m.name}-{p}-{'-'.join(arms)}", prompt_bytes(m, p)
+        wd, md, env = self.setup(name, m, lmc, "HND" if offload else "NHD")
+        tier, ids = wd / "tier", [f"hybridfa-bench-{os.getpid()}-{name}-{r}" for r in ("s", *arms)]
+        shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+        cpu = int(min(max(4 * GIB, 2 * pb), 0.8 * shm))  # the OffloadingConnector's CPU tier
+
+        def connector(eid: str, log: Path) -> dict[str, Any]:
+            if offload:
+                return {"kv_transfer_config": offloading_transfer_config(tier, cpu, eid)}
+            port, l1 = gate.free_port(), max(4, math.ceil(2.5 * pb / GB) + 2)
+            procs.append(
+                gate.start_server(
+                    self.py,
+                    env,
+                    port,
+                    block(m),
+                    tier,
+                    log,
+                    l1_size_gb=l1,
+                    extra_args=SERVER_STATS_ARGS,
+                )
             )
-            procs.append(srv)
-            rec["server2_start_s"] = round(time.perf_counter() - t_restart, 2)
-            restore = gate.run_engine(
-                node.python,
-                env,
-                {
-                    **bench_engine_spec(step, "restore", model_dir, port, None),
-                    **({"profile_dir": str(wd / "profile")} if node.profile else {}),
-                },
-                wd,
-                "restore",
-                node.engine_timeout,
+            return {"lmcache": port}
+
+        try:
+            if offload and cpu < pb:
+                raise Skipped(f"/dev/shm has no room for a {pb / GB:.1f} GB CPU tier")
+            if lmc and not (Path(lmc) / "lmcache").is_dir():
+                raise Skipped(f"no lmcache installed in {lmc}")
+            tier.mkdir()
+            with_colds, log = self.colds_fit(m, p, len(arms)), wd / "server-store.log"
+            spec = engine_spec(m, p, "store", md, connector(ids[0], log))
+            lmc_store = {"l2": str(tier), "l2_min_objects": p // block(m), "server_log": str(log)}
+            spec.update({"step_until_idle_s": 600} if offload else lmc_store)
+            store = self.engine(env, spec, wd, "store")
+            if not offload:
+                gate.wait_l2_stable(tier, 3 * (p // block(m)), timeout=60 + 8 * pb / GB)
+                gate.kill_group(procs.pop())
+            if not store.get("ok") or (offload and not store.get("idle")):
+                tail = str(store.get("error"))[-1500:]
+                raise StepError(f"store engine (idle: {store.get('idle')}): {tail}")
+            files = sorted(tier.rglob("*.bin" if offload else "*.data"))
+            inv = (
+                gate.l2_inventory(tier)
+                if not offload
+                else {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
             )
-            gate.kill_group(srv)
-            log2 = (wd / "server2.log").read_text(errors="replace")
-            parsed = parse_server_log(log2)
-            rec["retrieve_log"] = transfer_rate(parsed["retrieved"], bpo / n)
-            rec["prefetch_log"] = prefetch_rate(parsed["prefetch"], bpo)
-            rec["prefetch_lines"] = parsed["prefetch"]
-            rec["copy_stats"] = parse_copy_stats(log2)
-            if not restore.get("ok"):
-                rec["errors"].append(f"restore: {restore.get('error')}"[-1500:])
-            hit = int(restore.get("num_cached_tokens") or 0)
-            rt = ttft_of(restore)
-            rec.update(
-                hit_tokens=hit,
-                hit_pct=round(100.0 * hit / step.prompt_tokens, 2),
-                max_promisable_hit=gate.max_promisable_hit(step.prompt_tokens, n),
-                restore_ttft_s=rt,
-                restore_request_s=restore.get("gen_s"),
-                speedup_ttft=ratio(rec["cold_ttft_s"], rt),
-                speedup_request=ratio(rec["cold_request_s"], restore.get("gen_s")),
-                restart_to_first_token_s=(
-                    rec["server2_start_s"] + restore["engine_up_s"] + rt
-                    if rt and restore.get("engine_up_s") is not None
-                    else None
-                ),
-            )
-            rec["breakdown"] = restore_breakdown(rec)
-            restored = rec["breakdown"]["hit_bytes"] if rec["breakdown"] else hit * bpo / n
-            rec["restore_effective_gbps"] = gbps(restored, rt) if rt else None
-            rec["engine_timeline"] = restore.get("timeline")  # the engine's side of it
-            if hit == 0:
-                rec["errors"].append("restore: no external hit")
-    except gate.ServerError as e:
-        rec["errors"].append(f"server: {str(e)[-1500:]}")
-    finally:
-        for p in procs:
-            gate.kill_group(p)
-        shutil.rmtree(l2, ignore_errors=True)
-    rec["engines"] = {"store": _engine_summary(store), "restore": _engine_summary(restore)}
-    observed = (store or {}).get("cache_block_size")
-    if observed is not None and observed != n:
-        rec["errors"].append(f"vLLM chose N={observed}, expected {n}")
-    rec["ok"] = not rec["errors"]
-    return rec
+            for arm, eid in zip(arms, ids[1:], strict=True):
+                if arm != "pagecache":
+                    fs_l2_read.drop_cache(files)
+                cache = {"dropped": arm != "pagecache", "resident_fraction": resident(files)}
+                rows[arm].update(tier_after_store=inv, colds_in_engine=with_colds, page_cache=cache)
+                if offload:  # "cannot store chunks": its CPU tier had no room for a store
+                    full = (wd / "store.log").read_text(errors="replace").count("cannot store")
+                    rows[arm].update(cpu_bytes_to_use=cpu, store_allocation_failures=full)
+                conn = connector(eid, log := wd / f"server-{arm}.log")
+                spec = engine_spec(m, p, "restore", md, conn, f"cold-{arm}" if with_colds else "")
+                res, ctx = self.engine(env, spec, wd, f"restore-{arm}"), {}
+                if not offload:
+                    gate.kill_group(procs.pop())
+                    ctx = parse_server_log(log.read_text(errors="replace"))
+                    ctx["groups"] = gate.object_group_means(inv)
+                fill_restore_row(rows[arm], m, store, res, ctx)
+                rows[arm]["ok"] = not rows[arm]["errors"]
+                self.save()
+        except (StepError, gate.ServerError, OSError) as e:
+            for row in (r for r in rows.values() if "ok" not in r):
+                failed(row, str(e), not isinstance(e, (Skipped, OSError)))
+        finally:
+            for proc in procs:
+                gate.kill_group(proc)
+            for leftover in (f for i in ids for f in Path("/dev/shm").glob(f"vllm_offload_{i}*")):
+                leftover.unlink(missing_ok=True)
+            shutil.rmtree(tier, ignore_errors=True)
+        for row in rows.values():
+            row["ok"] = not row["errors"]
+        self.save()
 
 
-def run_step(step: Step, node: Node, disk_gib: float) -> dict[str, Any]:
-    if step.kind == "pinned":
-        return pinned_probe(node.python)
-    if step.kind == "disk":
-        return disk_probe(node.work / "l2-fs-probe", disk_gib)
-    if step.kind == "cold":
-        return run_cold_step(step, node)
-    return run_store_restore_step(step, node)
-
-
-def run_steps(
-    steps: Sequence[Step], node: Node, results_path: Path, disk_gib: float = 4.0
-) -> dict[str, Any]:
-    """Run every step in order and add its record to ``results_path`` (read if present, so
-    that the patched and the pristine arm share one file); the file and a .md beside it are
-    rewritten after each step."""
-    t0 = time.monotonic()
-    node.work.mkdir(parents=True, exist_ok=True)
-    results = load_results(results_path)
-    envinfo = gate.collect_environment(node.python, node.lmcache_dir)
-    run: dict[str, Any] = {
+def run(a: argparse.Namespace) -> int | str:
+    results, arms = load_results(a.results), a.arms.split(",")
+    cases: dict[str, set[int]] = {}
+    for model, _, length in (c.strip().partition(":") for c in a.cases.split(",") if c.strip()):
+        cases.setdefault(model, set()).add(LENGTHS.get(length) or int(length))
+    if unknown := set(cases) - set(MODELS):
+        return f"bench: unknown model {unknown}; one of {', '.join(MODELS)}"
+    bench = Bench(a, results)  # --time-limit-s counts from here
+    gate.install_cleanup_handler()
+    a.work.mkdir(parents=True, exist_ok=True)
+    envinfo = gate.collect_environment(sys.executable, a.lmcache_dir)
+    info = {
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv[1:],
-        "arm": node.arm,
-        "lmcache_dir": str(node.lmcache_dir),
         **envinfo,
-        "l2_fs": filesystem_of(node.work),
-        "done": [],
+        "PYTHONHASHSEED": "0",
+        "l2_fs": fs_l2_read.machine(a.work.resolve()),
+        "dev_shm_gb": os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free / GB,
     }
-    results["runs"].append(run)
-    problem = gate.arm_problem(node.arm, envinfo["versions"], node.lmcache_dir)
-    if problem:
-        run["error"] = problem
-        write_results(results, results_path)
-        return results
-    for s in steps:
-        print(f"[bench] {s.id}: starting", flush=True)
-        ts = time.monotonic()
-        rec = run_step(s, node, disk_gib)
-        took = time.monotonic() - ts
-        rec.update(
-            id=s.id,
-            kind=s.kind,
-            model=s.model,
-            backend=s.backend,
-            arm=s.arm,
-            prompt_tokens=s.prompt_tokens,
-            step_s=round(took, 1),
-            finished=_dt.datetime.now().isoformat(timespec="seconds"),
-        )
-        results["records"][s.id] = rec
-        run["done"].append(s.id)
-        run["elapsed_s"] = round(time.monotonic() - t0, 1)
-        write_results(results, results_path)
-        keys = ("ok", "speedup_ttft", "cold_ttft_s", "restore_ttft_s", "h2d_gbps", "write_gbps")
-        brief = {k: rec[k] for k in keys if rec.get(k) is not None}
-        print(f"[bench] {s.id}: {took:.0f} s {brief} {rec.get('errors') or ''}", flush=True)
-    return results
-
-
-# ---------------------------------------------------------------------------------------
-# Plots (CPU machine)
-# ---------------------------------------------------------------------------------------
-
-
-def plot_from(path: Path, out_dir: Path | None = None) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results = load_results(path)
-    recs = [r for r in results["records"].values() if r.get("ok")]
-    out_dir = out_dir or path.parent
-    stem = path.stem
-    written: list[Path] = []
-    restores = [r for r in recs if r["kind"] == "restore" and r["backend"] == "FLASHINFER"]
-    models = sorted({r["model"] for r in restores})
-    if models:
-        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-        for ax, name in zip(axes[0], models, strict=True):
-            rows = sorted(
-                (r for r in restores if r["model"] == name), key=lambda r: r["prompt_tokens"]
-            )
-            x = [r["prompt_tokens"] / 1024 for r in rows]
-            ax.plot(x, [r.get("cold_ttft_s") for r in rows], "o-", label="cold prefill")
-            ax.plot(x, [r.get("restore_ttft_s") for r in rows], "s-", label="restore from disk")
-            for xi, r in zip(x, rows, strict=True):
-                if r.get("speedup_ttft"):
-                    ax.annotate(
-                        f"{r['speedup_ttft']:.1f}x",
-                        (xi, r["restore_ttft_s"]),
-                        textcoords="offset points",
-                        xytext=(0, -14),
-                        ha="center",
-                    )
-            ax.set(
-                xscale="log",
-                yscale="log",
-                xlabel="prompt tokens (k)",
-                ylabel="TTFT (s)",
-                title=f"{name} (FlashInfer)",
-            )
-            ax.minorticks_off()
-            ax.set_xticks(x, [f"{v:g}" for v in x])
-            ax.legend()
-        fig.tight_layout()
-        p = out_dir / f"{stem}-ttft.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        written.append(p)
-    rows = sorted(
-        (r for r in recs if r["kind"] == "restore"),
-        key=lambda r: (r["model"], r["backend"], r["prompt_tokens"]),
-    )
-    if rows:
-        fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows)), 5))
-        series = (
-            ("L2->L1 prefetch", "prefetch_gbps"),
-            ("retrieve (lower bound)", "retrieve_gbps_lower_bound"),
-        )
-        w = 0.8 / len(series)
-        for k, (label, key) in enumerate(series):
-            vals = [(restore_breakdown(r) or {}).get(key) or math.nan for r in rows]
-            ax.bar([i + k * w for i in range(len(rows))], vals, w, label=label)
-        limits = results["records"]
-        for label, v, style, va in (
-            ("pinned H2D", (limits.get("pinned") or {}).get("h2d_gbps"), "--", "top"),
-            ("pinned D2H", (limits.get("pinned") or {}).get("d2h_gbps"), ":", "bottom"),
-            (
-                "disk read",
-                ((limits.get("disk") or {}).get("direct_read") or {}).get("gbps")
-                or ((limits.get("disk") or {}).get("cold_read") or {}).get("gbps"),
-                "-.",
-                "bottom",
-            ),
-        ):
-            if v:
-                ax.axhline(v, linestyle=style, color="k", linewidth=1)
-                ax.annotate(f"{label} {v:.1f}", (len(rows) - 0.5, v), ha="right", va=va)
-        ax.set_xticks(
-            [i + w for i in range(len(rows))],
-            [f"{r['model']}\n{r['backend']}\n{r['prompt_tokens'] // 1024}k" for r in rows],
-            fontsize=7,
-        )
-        ax.set(yscale="log", ylabel="GB/s", title="FA+GDN bytes moved vs physical limits")
-        ax.legend()
-        fig.tight_layout()
-        p = out_dir / f"{stem}-throughput.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        written.append(p)
-    return written
-
-
-# ---------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arm", choices=("patched", "pristine"), default="patched")
-    ap.add_argument("--lmcache-dir", type=Path, help="lmcache under test (first on PYTHONPATH)")
-    ap.add_argument(
-        "--results",
-        type=Path,
-        default=REPO / "results" / f"bench-gpu-{_dt.date.today().isoformat()}.json",
-        help="results JSON, read if present and updated after every step (a .md beside it)",
-    )
-    ap.add_argument("--steps", default="default", help="default | comma-separated ids/regexes")
-    ap.add_argument("--plain-cold", action="store_true", help="add cold runs without LMCache")
-    ap.add_argument(
-        "--work",
-        type=Path,
-        default=Path("/tmp/hybridfa-bench"),
-        help="models, logs and the L2 folder (its filesystem is the one measured)",
-    )
-    ap.add_argument("--disk-probe-gib", type=float, default=4.0)
-    ap.add_argument(
-        "--keep-page-cache",
-        action="store_true",
-        help="do not drop the L2 files from the page cache before the restore",
-    )
-    ap.add_argument(
-        "--profile",
-        action="store_true",
-        help="torch.profiler around each restore request (trace and op tables in the step folder)",
-    )
-    ap.add_argument("--report", type=Path, help="print the markdown report and targets of FILE")
-    ap.add_argument("--plot-from", type=Path, help="write PNG plots for FILE (needs matplotlib)")
-    a = ap.parse_args(argv)
-    if a.report:
-        res = load_results(a.report)
-        print(markdown_report(res))
-        return 0 if all(t["met"] for t in evaluate_targets(res)) else 1
-    if a.plot_from:
-        for p in plot_from(a.plot_from):
-            print(p)
-        return 0
-    if a.lmcache_dir is None:
-        ap.error("--lmcache-dir is required to run steps")
-    steps = select_steps(a.steps, a.arm, a.plain_cold)
-    node = Node(
-        arm=a.arm,
-        lmcache_dir=a.lmcache_dir.resolve(),
-        work=a.work,
-        keep_page_cache=a.keep_page_cache,
-        profile=a.profile,
-    )
-    gate.install_cleanup_handler()
-    res = run_steps(steps, node, a.results, a.disk_probe_gib)
-    run = res["runs"][-1]
-    if run.get("error"):
-        print(f"bench: {run['error']}", file=sys.stderr)
-        return 2
-    print(markdown_report(res))
-    for t in evaluate_targets(res):
-        print(
-            f"TARGET {t['target']}: {_f(t['value'])} >= {t['threshold']}: "
-            f"{'met' if t['met'] else 'missed'}"
-        )
+    results["runs"].append(info)
+    if (problem := gate.arm_problem("patched", envinfo["versions"], a.lmcache_dir)) and {
+        "default",
+        "pagecache",
+    } & set(arms):
+        info["error"] = problem
+        bench.save()
+        return f"bench: {problem}"
+    disk, pinned = disk_probe(a.work / "disk-probe"), pinned_probe(bench.py)
+    info["probes"] = {"pinned": pinned, "disk": disk}
+    cold = [v for v in (disk.get("direct_read"), disk.get("cold_read")) if v]
+    bench.rates = info["rates"] = {
+        "disk_read_gbps": max(cold, default=None),
+        "page_cache_read_gbps": disk.get("warm_read"),
+        "pinned_h2d_gbps": pinned.get("h2d_gbps"),
+    }
+    bench.save()
+    for m, lengths in ((MODELS[k], sorted(v)) for k, v in cases.items()):
+        if "cold" in arms and not all(bench.done(m, p, "cold") for p in lengths):
+            bench.cold_phase(m, [p for p in lengths if not bench.done(m, p, "cold")])
+        for p in lengths:  # pagecache and default share a store, pagecache first
+            for group, lmc in (
+                (("pagecache", "default"), a.lmcache_dir),
+                (("offloading",), None),
+                (("lmcache056",), a.l056_dir),
+            ):
+                if todo := [x for x in group if x in arms and not bench.done(m, p, x)]:
+                    bench.restore_phase(m, p, todo, lmc)
+    print(markdown_report(results))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int | str:
+    ap = argparse.ArgumentParser(description=__doc__.split(":")[0])
+    ap.add_argument("--lmcache-dir", type=Path, required=True, help="this wheel (pip --target)")
+    ap.add_argument("--l056-dir", type=Path, default=Path("/tmp/lmc-056"), help="lmcache 0.5.6")
+    ap.add_argument("--cases", default=DEFAULT_CASES, help="model:length,... (%(default)s)")
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated (%(default)s)")
+    ap.add_argument("--results", type=Path, default=REPO / "results" / "bench-gpu.json")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-bench"), help="L2 tiers, logs")
+    ap.add_argument("--time-limit-s", type=float, default=0, help="end the run after this many s")
+    ap.add_argument("--redo", action="store_true", help="rerun rows the results hold as passed")
+    ap.add_argument("--engine-timeout", type=float, default=900.0)
+    a = ap.parse_args(argv)
+    a.lmcache_dir = a.lmcache_dir.resolve()
+    return run(a)
 
 
 if __name__ == "__main__":

@@ -239,6 +239,7 @@ def _generate_timed(
     engine = llm.llm_engine
     params = params.clone()
     params.output_kind = RequestOutputKind.CUMULATIVE
+    probe = _request_probe()
     t0 = time.perf_counter()
     rid = f"timed-{time.monotonic_ns()}"  # one per call: an engine times several requests
     internal = engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
@@ -256,6 +257,8 @@ def _generate_timed(
                 if prefill is not None and TAP is not None:
                     local, external = TAP.stats.pop(internal or rid, (None, None))
                     prefill.update(local_cached_tokens=local, external_cached_tokens=external)
+                if prefill is not None:
+                    prefill["probe"] = [probe, _request_probe()]
                 return o, (total if ttft is None else ttft), total
 
 
@@ -311,6 +314,15 @@ def restore_timeline(
     }
 
 
+def _request_probe() -> dict[str, Any]:
+    """Wall clock and the bytes this process has read from storage (the OffloadingConnector's
+    file tier reads in-process), around each timed request, for bench/gpu_restore.py."""
+    io = Path("/proc/self/io")
+    lines = io.read_text().splitlines() if io.exists() else []
+    read = [int(ln.split(":")[1]) for ln in lines if ln.startswith("read_bytes:")] or [None]
+    return {"epoch": time.time(), "read_bytes": read[0]}
+
+
 def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -342,7 +354,9 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
     if spec.get("log_stats"):  # RequestOutput.metrics (TTFT) for bench/gpu_restore.py
         kw["disable_log_stats"] = False
     lmc = spec.get("lmcache")
-    if lmc:
+    if spec.get("kv_transfer_config"):  # another connector (the bench's OffloadingConnector arm)
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    elif lmc:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LMCacheMPConnector",
             kv_connector_module_path=lmc["module_path"],
@@ -473,6 +487,12 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
 
     for tokens in spec.get("also_store") or []:
         _generate(llm, tokens, _sampling(2))
+    if spec.get("step_until_idle_s"):  # the OffloadingConnector's stores move only as we step
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        until = time.monotonic() + float(spec["step_until_idle_s"])
+        while sched.has_requests() and time.monotonic() < until:
+            llm.llm_engine.step()
+        result["idle"] = not sched.has_requests()
 
     if spec["role"] == "store" and spec.get("l2"):
         result["l2_wait"] = _wait_l2(

@@ -1,374 +1,432 @@
-"""CPU tests of bench/gpu_restore.py's pure helpers (and its step flow with fake processes)."""
+"""CPU tests of bench/gpu_restore.py (issue 22's side-by-side restore bench), with small fakes
+for the engines and LMCache servers it drives."""
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from script_modules import BENCH_DIR, load_script
+from script_modules import BENCH_DIR, GPU_DIR, load_script
 
 bench = load_script("hybridfa_bench_gpu", BENCH_DIR / "gpu_restore.py")
+engine_proc = load_script("hybridfa_bench_engine_proc", GPU_DIR / "engine_proc.py")
 gate = bench.gate
+TINY = bench.MODELS["qwen35-r17"]  # N = 544
+N = 544
+T = 1_800_000_000.0  # an epoch with whole seconds, for log stamps
 
 
-def test_9b_class_geometry_on_flashinfer_and_flash_attn() -> None:
-    m = bench.MODELS["qwen35-9b"]
-    assert bench.layer_counts(m) == (24, 8)
-    # attention 2*4*256*2 = 4096 B/token; GDN page 49152 + 2097152 B -> N = 16*33
-    assert gate.attn_bytes_per_token(m) == 4096
-    assert gate.mamba_page_bytes(m) == 2146304
-    assert bench.backend_geometry(m, "FLASHINFER") == gate.Geometry(528, 16, 33)
-    assert bench.backend_geometry(m, "FLASH_ATTN") == gate.Geometry(528, 528, 1)
+def stamp(t: float) -> str:
+    """LMCache's log time (asctime, local) of epoch ``t``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f",{round(t * 1000) % 1000:03d}"
 
 
-def test_small_model_is_the_gates_ratio_17() -> None:
-    assert bench.backend_geometry(bench.MODELS["qwen35-r17"], "FLASHINFER") == gate.Geometry(
-        544, 32, 17
+def window(t1: float, last: float, tokens: int, gb: float, gbps: float) -> str:
+    return (
+        f"\x1b[32;20m[{stamp(t1)}] LMCache INFO:\x1b[0m L0<->L1 stats [cuda:0] last "
+        f"{last:.1f}s: store ops=0 tokens=0 size=0.00GB avg_copy=n/a | retrieve ops=1 "
+        f"tokens={tokens} size={gb:.2f}GB avg_copy={gbps:.2f}GB/s (extra_stats.py:160:x)\n"
     )
 
 
-@pytest.mark.parametrize("name", ["qwen35-r17", "qwen35-9b"])
-def test_patched_chunk_bytes_match_the_gate_and_pristine_moves_1_over_r_of_fa(name: str) -> None:
-    m = bench.MODELS[name]
-    g = gate.expected_geometry(m)
-    pa = bench.chunk_bytes(m, 2 * g.block_size, "patched")
-    pr = bench.chunk_bytes(m, 2 * g.block_size, "pristine")
-    assert pa["total"] == gate.expected_chunk_bytes(m, 2 * g.block_size)
-    assert pr["gdn"] == pa["gdn"]
-    assert pr["fa"] * g.ratio == pa["fa"]
-
-
-def test_pristine_bytes_match_the_gpu_gate_observation() -> None:
-    # results/gpu-gate-2026-11-29T104041-pristine.json: olmo-r25, chunk 2N -> 19922944 B
-    m = gate.MODELS["olmo-r25"]
-    assert bench.chunk_bytes(m, 3200, "pristine")["total"] == 19922944
-    assert bench.chunk_bytes(m, 3200, "patched")["total"] == 26214400
-
-
-def test_flash_attn_has_nothing_for_pristine_to_drop() -> None:
-    m = bench.MODELS["qwen35-9b"]
-    assert bench.chunk_bytes(m, 528, "pristine", "FLASH_ATTN") == bench.chunk_bytes(
-        m, 528, "patched", "FLASH_ATTN"
+def prefetch(t: float, l2: int) -> str:
+    return (
+        f"[{stamp(t)}] LMCache INFO: Prefetch request completed (L1+L2): {l2}/{l2} retained "
+        f"keys (0 L1, {l2} L2) in 80.0 ms (external_request_id=r)\n"
     )
 
 
-def test_chunk_must_be_a_multiple_of_n() -> None:
-    with pytest.raises(ValueError):
-        bench.chunk_bytes(bench.MODELS["qwen35-9b"], 512, "patched")
-
-
-def test_l1_holds_every_chunk() -> None:
-    assert bench.l1_size_gb(10**9) == 4
-    assert bench.l1_size_gb(16 * 10**9) == 22
-
-
-def test_parse_server_log_and_rates() -> None:
-    text = "\n".join(
-        [
-            "[x] INFO Stored 544 tokens in 0.010 seconds (mod.py:1)",
-            "[x] INFO Stored 544 tokens in 0.030 seconds",
-            "[x] INFO Stored 3 Q tokens in 1.000 seconds",
-            "Prefetch request completed (L1+L2): 52/52 retained keys (0 L1, 52 L2) in 53.5 ms (x)",
-            "\x1b[1mRetrieved 1088 tokens in 0.020 seconds\x1b[0m",
-        ]
-    )
-    p = bench.parse_server_log(text)
-    assert p["stored"] == [(544, 0.010), (544, 0.030)]
-    assert p["retrieved"] == [(1088, 0.020)]
-    assert p["prefetch"] == [(52, 52, 0, 52, pytest.approx(0.0535))]
-    st = bench.transfer_rate(p["stored"], bytes_per_token=1000)
-    assert st["bytes"] == 1088000 and st["gbps"] == pytest.approx(1088000 / 0.04 / 1e9)
-    pf = bench.prefetch_rate(p["prefetch"], object_bytes=1e6)
-    assert pf["bytes"] == 52_000_000 and pf["gbps"] == pytest.approx(52e6 / 0.0535 / 1e9)
-    assert bench.transfer_rate([], 10)["gbps"] is None
-
-
-def test_ttft_prefers_request_metrics() -> None:
-    assert bench.ttft_of({"ok": True, "gen_s": 2.0, "metrics": {"first_token_latency": 1.5}}) == 1.5
-    assert bench.ttft_of({"ok": True, "gen_s": 2.0, "metrics": None}) == 2.0
-    assert bench.ttft_of({"ok": False, "gen_s": 2.0}) is None
-    assert bench.ratio(10.0, 0.5) == 20.0 and bench.ratio(None, 1.0) is None
-
-
-def _restore_rec(
-    speedup: float, after_prefetch_s: float | None, ttft: float = 4.0
-) -> dict[str, Any]:
-    """A restore of 100 objects of 1 GB (chunk 500) whose TTFT is ``ttft`` seconds."""
-    rec: dict[str, Any] = {
-        "ok": True,
-        "kind": "restore",
-        "chunk": 500,
-        "hit_tokens": 50_000,
-        "l2": {"bytes_per_object": 1e9},
-        "speedup_ttft": speedup,
-        "restore_ttft_s": ttft,
-        "restore_effective_gbps": 100e9 / ttft / 1e9,
-        "retrieve_log": {"gbps": 9000.0},  # enqueue time: must never be used
+def timed(ttft: float, hit: int, t0: float, t1: float, read: int = 0) -> dict[str, Any]:
+    """One engine_proc request summary with its probe."""
+    probe = [{"epoch": t0, "read_bytes": 1000}, {"epoch": t1, "read_bytes": 1000 + read}]
+    return {
+        "ttft_s": ttft,
+        "num_cached_tokens": hit,
+        "external_cached_tokens": hit,
+        "local_cached_tokens": 0,
+        "probe": probe,
     }
-    if after_prefetch_s is not None:
-        rec["prefetch_lines"] = [
-            (2, 2, 0, 2, 0.1),  # the warm-up request
-            (100, 100, 0, 100, ttft - after_prefetch_s),
-        ]
-    return rec
 
 
-def test_restore_breakdown_uses_the_restored_requests_prefetch() -> None:
-    b = bench.restore_breakdown(_restore_rec(1.0, after_prefetch_s=2.0))
-    assert b is not None and b["prefetch_exact"]
-    assert b["prefetch_s"] == pytest.approx(2.0) and b["after_prefetch_s"] == pytest.approx(2.0)
-    assert b["prefetch_gbps"] == pytest.approx(50.0)
-    assert b["retrieve_gbps_lower_bound"] == pytest.approx(50.0)
-    assert b["prefetch_share_of_ttft"] == pytest.approx(0.5)
-
-
-def test_restore_breakdown_splits_a_summed_prefetch_by_objects() -> None:
-    rec = _restore_rec(1.0, after_prefetch_s=None)
-    rec["prefetch_log"] = {"l2_objects": 102, "seconds": 3.06}
-    b = bench.restore_breakdown(rec)
-    assert b is not None and not b["prefetch_exact"]
-    assert b["prefetch_s"] == pytest.approx(3.0)
-    assert b["retrieve_gbps_lower_bound"] == pytest.approx(100.0)
-
-
-def test_targets_met_and_missed() -> None:
-    b = bench.BIG_MODEL
-    res = {
-        "records": {
-            f"restore:{b}:FLASHINFER:patched:26624": _restore_rec(12.0, 2.0),
-            f"restore:{b}:FLASHINFER:patched:131072": _restore_rec(15.0, 4.0 / 3, ttft=8.0),
-            f"restore:{b}:FLASH_ATTN:patched:131072": _restore_rec(15.0, 1.0, ttft=8.0),
-            "pinned": {"ok": True, "h2d_gbps": 125.0},
+def hashes(hit: int, gdn: str = "g") -> list[dict[str, Any]]:
+    """KV hashes of one rank whose restored GDN checkpoint is block hit/N - 1."""
+    return [
+        {
+            "rank": 0,
+            "block_size": N,
+            "fa": {"fa0": {"0": "a", "1": "b"}},
+            "gdn": {"gdn0": {str(hit // N - 1): gdn}},
         }
-    }
-    got = {t["target"]: t for t in bench.evaluate_targets(res)}
-    assert got["ttft_speedup_26k"]["met"] and not got["ttft_speedup_128k"]["met"]
-    assert got["retrieve_vs_flash_attn"]["value"] == pytest.approx(0.75)
-    assert not got["retrieve_vs_flash_attn"]["met"]
-    assert got["retrieve_vs_pinned_h2d"]["value"] == pytest.approx(0.6)
-    assert got["retrieve_vs_pinned_h2d"]["met"]
-    assert "lower bound" in got["retrieve_vs_pinned_h2d"]["detail"]
-
-
-def test_targets_fall_back_to_effective_rate_and_missing_is_missed() -> None:
-    b = bench.BIG_MODEL
-    rec = _restore_rec(3.0, None, ttft=4.0)  # no prefetch lines: hit bytes / TTFT = 25 GB/s
-    res = {"records": {f"restore:{b}:FLASHINFER:patched:8192": rec}}
-    got = {t["target"]: t for t in bench.evaluate_targets(res)}
-    assert got["ttft_speedup_26k"]["value"] is None and not got["ttft_speedup_26k"]["met"]
-    assert got["retrieve_vs_pinned_h2d"]["value"] is None  # no pinned probe
-    res["records"]["pinned"] = {"ok": True, "h2d_gbps": 50.0}
-    got = {t["target"]: t for t in bench.evaluate_targets(res)}
-    assert got["retrieve_vs_pinned_h2d"]["value"] == pytest.approx(0.5)
-    assert "restore TTFT" in got["retrieve_vs_pinned_h2d"]["detail"]
-
-
-def test_step_ids_round_trip_and_selection() -> None:
-    steps = bench.default_steps("patched")
-    assert [s.id for s in steps[:2]] == ["pinned", "disk"]
-    assert len(steps) == 2 + 8 + len(bench.FA_LENGTHS)
-    for s in steps:
-        assert bench.parse_step_id(s.id) == s
-    sel = bench.select_steps("restore:qwen35-9b:FLASH_ATTN:patched:.*", "patched")
-    assert [s.prompt_tokens for s in sel] == list(bench.LENGTHS)
-    assert {s.kind for s in bench.default_steps("pristine")} == {"bytes"}
-    assert len(bench.default_steps("patched", plain_cold=True)) == len(steps) + 8
-
-
-def test_markdown_report_renders_partial_results(tmp_path: Path) -> None:
-    path = tmp_path / "bench-gpu-x.json"
-    res = bench.load_results(path)
-    rec = _restore_rec(12.0, 20.0)
-    rec.update(
-        id="restore:qwen35-9b:FLASHINFER:patched:26624",
-        model="qwen35-9b",
-        backend="FLASHINFER",
-        arm="patched",
-        prompt_tokens=26624,
-        geometry={"block_size": 528, "kernel_page": 16, "ratio": 33},
-        expected_chunk_bytes=bench.chunk_bytes(bench.MODELS["qwen35-9b"], 528, "patched"),
-        l2={"bytes_per_object": 69206016.0},
-    )
-    res["records"][rec["id"]] = rec
-    res["records"]["bad"] = {
-        "ok": False,
-        "kind": "restore",
-        "model": "qwen35-r17",
-        "backend": "FLASHINFER",
-        "prompt_tokens": 8192,
-        "errors": ["boom"],
-    }
-    bench.write_results(res, path)
-    again = bench.load_results(path)
-    assert again["records"].keys() == res["records"].keys()
-    md = path.with_suffix(".md").read_text()
-    assert "| qwen35-9b | FLASHINFER | 528/16/33 | 26624 |" in md
-    assert "ERROR: boom" in md and "ttft_speedup_26k: 12 vs >= 10.0: met" in md
-
-
-def test_restore_step_flow_with_fake_server_and_engines(tmp_path: Path, monkeypatch) -> None:
-    step = bench.Step("restore", "qwen35-r17", "FLASHINFER", "patched", 8192)
-    n = 544
-    obj = bench.chunk_bytes(step.spec, n, "patched")["total"]
-    logs: list[str] = [
-        "Stored 8160 tokens in 0.100 seconds\n",
-        "Prefetch request completed (L1+L2): 15/15 retained keys (0 L1, 15 L2) in 50.0 ms\n"
-        "Retrieved 8160 tokens in 0.020 seconds\n"
-        "L0<->L1 stats [cuda:0] cumulative: store ops=0 tokens=0 size=0.00GB avg_copy=n/a"
-        " | retrieve ops=1 tokens=8160 size=0.13GB avg_copy=40.00GB/s\n",
     ]
 
-    class FakeProc:
-        pid = 0
 
-    def start_server(py, env, port, chunk, l2, log, timeout=180.0, l1_size_gb=4, extra_args=()):
-        assert chunk == n and l1_size_gb >= 4
-        assert tuple(extra_args) == bench.SERVER_STATS_ARGS
-        log.write_text(logs.pop(0))
-        return FakeProc()
+def restore_result(hits: tuple[int, int, int] = (2 * N, 2 * N, 2 * N), **kw: Any) -> dict[str, Any]:
+    """A restore engine's result: warm-up (cold, W at T+1..2), A at T+10..11, a cold, B at
+    T+20..21, a cold, D at T+30..31, a cold; TTFTs 0.5, 0.4, 0.6 for A, B, D."""
+    return {
+        "ok": True,
+        **timed(0.5, hits[0], T + 10, T + 11, read=3_000),
+        "kv_hashes": hashes(hits[0]),
+        "tokens": [5, 6],
+        "warm_first": {"cold": timed(2.0, 0, T, T + 0.9), "restore": timed(0.3, N, T + 1, T + 2)},
+        "cold_reference": timed(4.0, 0, T + 12, T + 16),
+        "timed_pairs": [
+            {
+                "restore": timed(0.4, hits[1], T + 20, T + 21, read=1_000),
+                "cold": timed(5.0, 0, T + 22, T + 27),
+            },
+            {
+                "restore": timed(0.6, hits[2], T + 30, T + 31, read=2_000),
+                "cold": timed(3.0, 0, T + 32, T + 35),
+            },
+        ],
+        **kw,
+    }
+
+
+STORE = {"ok": True, "kv_hashes": hashes(2 * N), "tokens": [5, 6]}
+
+
+def new_row(arm: str = "default", p: int = 2 * N + 100) -> dict[str, Any]:
+    return {"model": TINY.name, "prompt_tokens": p, "arm": arm, "errors": [], "findings": []}
+
+
+# --- the disk bound ------------------------------------------------------------------------
+
+
+def test_disk_bound_reads_at_the_disk_rate_then_copies_at_the_pinned_rate() -> None:
+    rates = {"disk_read_gbps": 2.0, "page_cache_read_gbps": 10.0, "pinned_h2d_gbps": 50.0}
+    row = {"arm": "default", "rates": rates, "read_bytes": 2e9, "restore_ttft_s": 1.3}
+    b = bench.bound_of(row)
+    assert b["bound_s"] == pytest.approx(1.0 + 0.04)
+    assert b["bound_over_restore"] == pytest.approx(1.04 / 1.3) and b["met"]
+    assert b["restore_over_bound"] == pytest.approx(1.3 / 1.04)
+
+
+def test_a_restore_slower_than_the_bound_by_more_than_1_over_0_8_misses_it() -> None:
+    rates = {"disk_read_gbps": 2.0, "pinned_h2d_gbps": 50.0}
+    row = {"arm": "default", "rates": rates, "read_bytes": 2e9, "restore_ttft_s": 1.31}
+    assert not bench.bound_of(row)["met"]
+
+
+def test_the_page_cache_arms_bound_reads_at_the_page_cache_rate() -> None:
+    rates = {"disk_read_gbps": 2.0, "page_cache_read_gbps": 10.0, "pinned_h2d_gbps": 50.0}
+    row = {"arm": "pagecache", "rates": rates, "read_bytes": 2e9, "restore_ttft_s": 1.0}
+    assert bench.bound_of(row)["bound_s"] == pytest.approx(0.2 + 0.04)
+
+
+def test_no_bound_without_the_bytes_read() -> None:
+    rates = {"disk_read_gbps": 2.0, "pinned_h2d_gbps": 50.0}
+    assert bench.bound_of({"arm": "default", "rates": rates, "restore_ttft_s": 1.0}) is None
+
+
+# --- restored bytes and H2D rates ------------------------------------------------------------
+
+
+def test_server_log_windows_and_prefetch_lines_are_read_with_their_times() -> None:
+    got = bench.parse_server_log(window(T + 1.5, 0.3, 1088, 0.25, 40.0) + prefetch(T + 0.25, 15))
+    [w] = got["windows"]
+    assert (w["t0"], w["t1"]) == (pytest.approx(T + 1.2), pytest.approx(T + 1.5))
+    assert (w["ops"], w["tokens"], w["bytes"], w["gbps"]) == (1, 1088, 0.25e9, 40.0)
+    assert got["prefetch"] == [{"t": pytest.approx(T + 0.25), "l1": 0, "l2": 15}]
+
+
+def test_h2d_comes_from_the_timed_restores_window_not_the_warm_ups() -> None:
+    log = window(T + 2, 0.5, N, 0.1, 9.0) + window(T + 11, 0.5, 2 * N, 1.0, 30.0)
+    windows = bench.parse_server_log(log)["windows"]
+    assert bench.timed_h2d(windows, [((T + 1, T + 2), N), ((T + 10, T + 11), 2 * N)]) == [
+        pytest.approx(9.0),
+        pytest.approx(30.0),
+    ]
+
+
+def test_h2d_is_null_when_the_timed_copies_cover_less_than_the_hit() -> None:
+    windows = bench.parse_server_log(window(T + 11, 0.5, N, 1.0, 30.0))["windows"]
+    assert bench.timed_h2d(windows, [((T + 10, T + 11), 2 * N)]) == [None]
+
+
+def test_a_window_flushed_inside_the_next_restore_goes_to_the_one_it_covers() -> None:
+    # A's last copies end in a window that the next restore's first copy start flushed
+    windows = bench.parse_server_log(window(T + 20.5, 2.0, 2 * N, 1.0, 30.0))["windows"]
+    spans = [((T + 18, T + 19), 2 * N), ((T + 20, T + 21), 2 * N)]
+    assert bench.timed_h2d(windows, spans) == [pytest.approx(30.0), None]
+
+
+def test_h2d_is_null_for_both_restores_whose_copies_share_a_window() -> None:
+    windows = bench.parse_server_log(window(T + 21, 3.0, 4 * N, 2.0, 30.0))["windows"]
+    assert bench.timed_h2d(windows, [((T + 18, T + 19), 2 * N), ((T + 20, T + 21), 2 * N)]) == [
+        None,
+        None,
+    ]
+
+
+def test_l2_bytes_are_fa_for_every_hit_chunk_and_one_recurrent_object() -> None:
+    groups = {"0": 2e6, "1": 6e6}  # FA objects 2 MB, GDN objects 6 MB
+    assert bench.l2_read_bytes(11, 10 * N, N, groups, fa=2_000_000) == 10 * 2e6 + 6e6
+
+
+def test_l2_bytes_of_one_object_group_are_every_object_at_its_size() -> None:
+    assert bench.l2_read_bytes(10, 10 * N, N, {"0": 8e6}, fa=2_000_000) == 80e6
+
+
+# --- engine specs: what is timed, in which order ---------------------------------------------
+
+
+def test_a_restore_engine_times_restores_and_colds_in_turn_after_a_warm_up(tmp_path: Path) -> None:
+    spec = bench.engine_spec(TINY, 26624, "restore", tmp_path, {"lmcache": 1}, "cold-default")
+    assert list(spec["warm_first"]) == ["cold", "restore"]
+    order = ["restore", "cold"] + [k for pair in spec["timed_pairs"] for k in pair]
+    assert spec["cold_reference"] and order == ["restore", "cold"] * bench.RESTORES
+
+
+def test_a_restore_engine_without_room_for_colds_times_its_restores_only(tmp_path: Path) -> None:
+    spec = bench.engine_spec(TINY, 26624, "restore", tmp_path, {"lmcache": 1})
+    assert list(spec["warm_first"]) == ["restore"] and spec["cold_reference"] is None
+    assert [list(pair) for pair in spec["timed_pairs"]] == [["restore"], ["restore"]]
+
+
+def test_the_restore_engine_restores_what_the_store_engine_stored(tmp_path: Path) -> None:
+    store = bench.engine_spec(TINY, 26624, "store", tmp_path, {"lmcache": 1})
+    restore = bench.engine_spec(TINY, 26624, "restore", tmp_path, {"lmcache": 1}, "cold-x")
+    assert restore["prompt"] == store["prompt"] and restore["kv_hashes"] and store["kv_hashes"]
+    timed = [restore["warm_first"]["restore"]] + [p["restore"] for p in restore["timed_pairs"]]
+    assert timed == store["also_store"]
+    assert not {tuple(p["cold"]) for p in restore["timed_pairs"]} & {tuple(t) for t in timed}
+
+
+def test_medians_are_of_the_timed_restores_and_colds_not_the_warm_ups() -> None:
+    row = new_row()
+    bench.fill_restore_row(row, TINY, STORE, restore_result(), {})
+    assert [r["ttft_s"] for r in row["restores"]] == [0.5, 0.4, 0.6]
+    assert row["restore_ttft_s"] == 0.5
+    assert row["cold_in_engine_s"] == 4.0 and row["cold_in_engine_ttfts_s"] == [4.0, 5.0, 3.0]
+
+
+# --- correctness and findings -----------------------------------------------------------------
+
+
+def test_a_restore_of_the_stored_bytes_and_tokens_is_correct() -> None:
+    row = new_row()
+    bench.fill_restore_row(row, TINY, STORE, restore_result(), {})
+    assert row["kv"]["match"] and row["tokens_match"] and row["correct"] and not row["findings"]
+
+
+def test_a_peer_that_restores_nothing_after_the_restart_is_a_finding() -> None:
+    row = new_row("offloading")
+    bench.fill_restore_row(row, TINY, STORE, restore_result(hits=(0, 0, 0)), {})
+    assert not row["correct"] and "restored nothing" in row["findings"][0]["what"]
+    assert row["findings"][0]["arm"] == "offloading"
+
+
+def test_a_peer_that_restores_other_kv_bytes_is_a_finding() -> None:
+    row = new_row("lmcache056")
+    bench.fill_restore_row(row, TINY, STORE, restore_result(kv_hashes=hashes(2 * N, "other")), {})
+    assert not row["correct"] and any("KV bytes differ" in f["what"] for f in row["findings"])
+
+
+def test_a_peer_whose_restore_engine_fails_did_not_run() -> None:
+    row = new_row("lmcache056")
+    bench.fill_restore_row(row, TINY, STORE, {"ok": False, "error": "ImportError: x"}, {})
+    assert row["errors"] and row["findings"][0]["what"].startswith("did not run: ")
+
+
+def test_the_offloading_connectors_restored_bytes_are_its_engines_storage_reads() -> None:
+    row = new_row("offloading")
+    bench.fill_restore_row(row, TINY, STORE, restore_result(), {})
+    assert [r["read_bytes"] for r in row["restores"]] == [3_000, 1_000, 2_000]
+    assert row["read_bytes"] == 2_000 and row["h2d_gbps"] is None
+
+
+def test_lmcaches_restored_bytes_and_h2d_come_from_its_log_during_each_restore() -> None:
+    log = prefetch(T + 1.5, 2) + window(T + 2, 0.5, N, 0.1, 9.0)  # the warm-up W
+    for t, gbps in ((T + 10, 30.0), (T + 20, 20.0), (T + 30, 10.0)):
+        log += prefetch(t + 0.5, 3) + window(t + 1, 0.5, 2 * N, 0.03, gbps)
+    fa = 2 * N * gate.attn_bytes_per_token(TINY)  # qwen35-r17: 2 FA layers
+    ctx = {**bench.parse_server_log(log), "groups": {"0": float(fa), "1": 3.0 * fa}}
+    row = new_row()
+    bench.fill_restore_row(row, TINY, STORE, restore_result(), ctx)
+    assert [r["l2_objects"] for r in row["restores"]] == [3, 3, 3]
+    assert row["read_bytes"] == pytest.approx(2 * fa + 3 * fa)
+    assert [r["h2d_gbps"] for r in row["restores"]] == [pytest.approx(g) for g in (30, 20, 10)]
+    assert row["h2d_gbps"] == pytest.approx(20.0) and row["h2d_timed"] == 3
+
+
+# --- targets and the report ---------------------------------------------------------------
+
+
+def _rows(**speedups: float) -> dict[str, dict[str, Any]]:
+    rows = {}
+    for key, value in speedups.items():
+        arm, k = key.split("_")
+        p = {"26k": 26624, "128k": 131072}[k]
+        rows[bench.row_key(bench.TARGET_MODEL, p, arm)] = {"speedup": value, "correct": True}
+    return rows
+
+
+def test_speedup_targets_are_met_missed_or_not_measured() -> None:
+    targets = bench.evaluate_targets(_rows(default_26k=5.0, default_128k=5.9))
+    got = {t["target"]: t["met"] for t in targets}
+    assert got["default_speedup_26k"] and not got["default_speedup_128k"]
+    assert not got["pagecache_speedup_26k"] and not got["pagecache_speedup_128k"]
+
+
+def test_a_fast_restore_that_is_not_correct_misses_its_target() -> None:
+    rows = _rows(default_26k=50.0)
+    next(iter(rows.values()))["correct"] = False
+    assert not bench.evaluate_targets(rows)[0]["met"]
+
+
+def test_a_page_cache_target_says_when_the_files_were_not_all_cached() -> None:
+    rows = _rows(pagecache_26k=13.0)
+    next(iter(rows.values()))["page_cache"] = {"dropped": False, "resident_fraction": 0.5}
+    t = next(t for t in bench.evaluate_targets(rows) if t["target"] == "pagecache_speedup_26k")
+    assert t["met"] and "only 50% of the L2 bytes" in t["detail"]
+
+
+def test_the_default_servers_disk_bound_is_a_target_at_each_length_it_ran() -> None:
+    row = {"correct": True, "disk_bound": {"bound_over_restore": 0.9}}
+    rows = {bench.row_key(bench.TARGET_MODEL, 8192, "default"): row}
+    t = next(t for t in bench.evaluate_targets(rows) if t["target"] == "default_bound_8k")
+    assert t["met"] and t["threshold"] == 0.8
+
+
+def test_the_report_holds_the_top_level_fields_and_a_row_per_arm(tmp_path: Path) -> None:
+    rates = {"disk_read_gbps": 2.0, "page_cache_read_gbps": 10.0, "pinned_h2d_gbps": 50.0}
+    res = bench.load_results(tmp_path / "none.json")
+    for arm in ("cold", "default", "offloading"):
+        res["rows"][bench.row_key(TINY.name, 26624, arm)] = {
+            "model": TINY.name,
+            "prompt_tokens": 26624,
+            "arm": arm,
+            "rates": rates,
+            "ok": True,
+            "cold_ttft_s": 4.0,
+            "restore_ttft_s": 0.5,
+            "read_bytes": 1e9,
+            "errors": [],
+            "findings": [{"model": TINY.name, "prompt_tokens": 26624, "arm": arm, "what": "x"}]
+            if arm == "offloading"
+            else [],
+        }
+    path = tmp_path / "bench.json"
+    bench.write_results(res, path)
+    data = json.loads(path.read_text())
+    assert {"default", "offloadingconnector", "disk_bound", "targets", "findings"} <= set(data)
+    assert data["default"][0]["speedup"] == 8.0 and len(data["offloadingconnector"]["rows"]) == 1
+    assert data["offloadingconnector"]["kv_transfer_config"]["kv_connector"] == (
+        "OffloadingConnector"
+    )
+    assert {r["arm"] for r in data["disk_bound"]["rows"]} == {"default", "offloading"}
+    md = path.with_suffix(".md").read_text()
+    assert f"| {TINY.name} | 26624 | default |" in md and "| 8 |" in md
+    assert "## Findings" in md and "offloading: x" in md
+
+
+# --- vLLM 0.26.0's OffloadingConnector ------------------------------------------------------
+
+
+def test_the_offloading_config_selects_vllms_offloading_connector_with_hma() -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cfg = KVTransferConfig(**bench.offloading_transfer_config(Path("/x"), 1 << 30, "e"))
+    assert KVConnectorFactory.get_connector_class(cfg).__name__ == "OffloadingConnector"
+    assert KVConnectorFactory.supports_hma_config(cfg)  # hybrid (Mamba) models keep HMA
+
+
+def test_the_offloading_config_names_the_tiering_spec_and_its_fs_tier() -> None:
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    extra = bench.offloading_transfer_config(Path("/x"), 1 << 30, "e")["kv_connector_extra_config"]
+    assert OffloadingSpecFactory.get_spec_cls(extra).__name__ == "TieringOffloadingSpec"
+    [tier] = extra["secondary_tiers"]
+    tier_cls = SecondaryTierFactory.get_tier_class(tier)
+    assert set(tier) - {"type"} <= set(inspect.signature(tier_cls.__init__).parameters)
+
+
+# --- the phases, with fake servers and engines ------------------------------------------------
+
+
+def _args(tmp_path: Path, **kw: Any) -> argparse.Namespace:
+    (tmp_path / "lmc" / "lmcache").mkdir(parents=True, exist_ok=True)
+    base = {
+        "work": tmp_path / "w",
+        "results": tmp_path / "r.json",
+        "time_limit_s": 0,
+        "redo": False,
+        "engine_timeout": 60.0,
+        "lmcache_dir": tmp_path / "lmc",
+    }
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_pagecache_and_default_share_one_store_and_only_default_drops_the_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p, roles, dropped = 2 * N + 100, [], []
+    fa = 2 * N * gate.attn_bytes_per_token(TINY)
+
+    def start_server(py, env, port, chunk, l2, log, l1_size_gb=4, extra_args=()):
+        assert tuple(extra_args) == bench.SERVER_STATS_ARGS and chunk == N
+        log.write_text(prefetch(T + 10.5, 3) + window(T + 11, 0.5, 2 * N, 0.03, 30.0))
+        return object()
 
     def run_engine(py, env, spec, wd, role, timeout):
         json.dumps(spec)  # what engine_proc reads must serialise
-        assert spec["new_tokens"] == 1 and spec["attention_backend"] == "FLASHINFER"
-        assert spec["max_num_batched_tokens"] == 2 * n - 1
+        roles.append(role)
+        assert env["PYTHONHASHSEED"] == "0" and spec["lmcache"]["module_path"]
         if role == "store":
-            for i in range(15):
-                (Path(spec["l2"]) / f"m@0x1000000@0x0@{i:04x}.data").write_bytes(b"\0" * obj)
-            return {
-                "ok": True,
-                "gen_s": 4.0,
-                "engine_up_s": 30.0,
-                "cache_block_size": n,
-                "metrics": {"first_token_latency": 3.9},
-                "num_cached_tokens": 0,
-            }
-        return {
-            "ok": True,
-            "gen_s": 0.4,
-            "engine_up_s": 30.0,
-            "cache_block_size": n,
-            "metrics": {"first_token_latency": 0.39},
-            "num_cached_tokens": 8160,
-        }
+            for i in range(2):
+                (Path(spec["l2"]) / f"m@0x1000000@0x0@{i:04x}.data").write_bytes(b"\0" * fa)
+                (Path(spec["l2"]) / f"m@0x1000000@0x1@{i:04x}.data").write_bytes(b"\0" * 3 * fa)
+            return dict(STORE)
+        return restore_result()
 
     monkeypatch.setattr(gate, "start_server", start_server)
     monkeypatch.setattr(gate, "run_engine", run_engine)
-    monkeypatch.setattr(gate, "kill_group", lambda p: None)
-    monkeypatch.setattr(gate, "wait_l2_stable", lambda root, k, timeout=0: gate.l2_inventory(root))
-    node = bench.Node(arm="patched", lmcache_dir=tmp_path, work=tmp_path / "w")
-    rec = bench.run_store_restore_step(step, node)
-    assert rec["ok"], rec["errors"]
-    assert rec["l2"]["bytes_per_object"] == obj
-    assert rec["speedup_ttft"] == pytest.approx(10.0)
-    assert rec["store_log"]["bytes"] == 15 * obj
-    assert rec["breakdown"]["prefetch_s"] == pytest.approx(0.05)
-    assert rec["breakdown"]["after_prefetch_s"] == pytest.approx(0.39 - 0.05)
-    assert rec["prefetch_log"]["gbps"] == pytest.approx(15 * obj / 0.05 / 1e9)
-    assert rec["page_cache"]["files"] == 15
-    assert rec["copy_stats"]["retrieve"]["copy_gbps"] == 40.0 and rec["store_copy_stats"] is None
-    assert not (tmp_path / "w" / step.id.replace(":", "_") / "l2").exists()
+    monkeypatch.setattr(gate, "kill_group", lambda proc: None)
+    monkeypatch.setattr(gate, "wait_l2_stable", lambda *a, **k: None)
+    monkeypatch.setattr(bench.fs_l2_read, "drop_cache", lambda files: dropped.append(len(files)))
+    b = bench.Bench(_args(tmp_path), bench.load_results(tmp_path / "r.json"))
+    b.restore_phase(TINY, p, ["pagecache", "default"], tmp_path / "lmc")
+    assert roles == ["store", "restore-pagecache", "restore-default"] and dropped == [4]
+    rows = b.results["rows"]
+    page, default = (rows[bench.row_key(TINY.name, p, a)] for a in ("pagecache", "default"))
+    assert page["ok"] and default["ok"] and default["correct"], default["errors"]
+    assert not page["page_cache"]["dropped"] and default["page_cache"]["dropped"]
+    assert default["restores"][0]["read_bytes"] == pytest.approx(5 * fa)
+    assert not (tmp_path / "w" / f"{TINY.name}-{p}-pagecache-default" / "tier").exists()
 
 
-def test_disk_probe_runs_on_any_filesystem(tmp_path: Path) -> None:
-    res = bench.disk_probe(tmp_path, gib=1 / 64, block=1 << 20)
-    assert res["ok"] and res["write_gbps"] > 0
-    assert res["cold_read"]["bytes"] == res["bytes"] == res["warm_read"]["bytes"]
-    assert "gbps" in res["direct_read"] or "error" in res["direct_read"]
+def test_no_engine_starts_past_the_time_limit_and_the_row_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gate, "run_engine", lambda *a, **k: pytest.fail("an engine started"))
+    b = bench.Bench(_args(tmp_path, time_limit_s=1), bench.load_results(tmp_path / "r.json"))
+    b.restore_phase(TINY, 2 * N + 100, ["offloading"])
+    row = b.results["rows"][bench.row_key(TINY.name, 2 * N + 100, "offloading")]
+    assert not row["ok"] and row["errors"][0].startswith("not run: ") and not row["findings"]
+    assert json.loads((tmp_path / "r.json").read_text())["rows"]
+
+
+def test_the_disk_probe_runs_on_any_filesystem(tmp_path: Path) -> None:
+    res = bench.disk_probe(tmp_path, gib=1 / 64, chunk=1 << 20)
+    assert res["write_gbps"] > 0 and res["cold_read"] > 0 and res["warm_read"] > 0
+    assert res["direct_read"] or res["direct_read_error"]  # tmpfs refuses O_DIRECT
     assert not (tmp_path / "bench-disk-probe.bin").exists()
 
 
-def test_restore_breakdown_with_fa_and_gdn_objects_apart() -> None:
-    # GDN-last-chunk prototype: FA objects (1 GB) for every hit chunk, GDN (3 GB) for the last.
-    rec = _restore_rec(1.0, after_prefetch_s=2.0)
-    rec["expected_chunk_bytes"] = {"fa": 1e9, "gdn": 3e9, "total": 4e9}
-    rec["l2"] = {
-        "per_object_group": {
-            "0": {"objects": 100, "bytes": 300e9},
-            "1": {"objects": 100, "bytes": 100e9},
-        }
-    }
-    rec["prefetch_lines"] = [(2, 4, 0, 2, 0.1), (101, 200, 0, 101, 2.0)]
-    assert bench.chunk_object_bytes(rec) == pytest.approx(4e9)
-    b = bench.restore_breakdown(rec)
-    assert b is not None and b["hit_bytes"] == pytest.approx(103e9)
-    assert b["prefetch_gbps"] == pytest.approx(51.5)
+# --- engine_proc's probe around each timed request -----------------------------------------
 
 
-def test_restored_bytes_of_one_object_group_is_every_hit_chunk() -> None:
-    rec = _restore_rec(1.0, after_prefetch_s=2.0)
-    assert bench.restored_bytes(rec, 100) == pytest.approx(100e9)
-    assert bench.chunk_object_bytes(rec) == pytest.approx(1e9)
-
-
-def test_copy_stats_parse_lmcaches_own_line() -> None:
-    from lmcache.v1.mp_observability.subscribers.logging.extra_stats import (
-        _format_side,
-        _TransferStats,
-    )
-
-    store = _format_side("store", _TransferStats(3, 1584, 207_000_000, 207_000_000, 0.02))
-    none = _format_side("store", _TransferStats())
-    retrieve = _format_side("retrieve", _TransferStats(2, 27456, 3_600_000_000, 3.6e9, 0.1))
-    log = (
-        f"L0<->L1 stats [cuda:0] cumulative: {none} | {retrieve}\n"
-        f"INFO L0<->L1 stats [cuda:0] last 1.0s: {store} | {retrieve}\n"
-        f"INFO L0<->L1 stats [cuda:0] cumulative: {store} | {retrieve}\n"
-    )
-    got = bench.parse_copy_stats(log)
-    assert got == {
-        "device": "cuda:0",
-        "store": {"ops": 3, "tokens": 1584, "gb": 0.21, "copy_gbps": 10.35},
-        "retrieve": {"ops": 2, "tokens": 27456, "gb": 3.6, "copy_gbps": 36.0},
-    }
-    first = bench.parse_copy_stats(log.splitlines()[0])
-    assert first is not None and first["store"]["copy_gbps"] is None
-    assert bench.parse_copy_stats("no stats here") is None
-
-
-def test_retrieve_rate_prefers_the_stream_timed_copy() -> None:
-    rec = _restore_rec(1.0, after_prefetch_s=2.0)
-    assert bench._retrieve_gbps(rec)[0] == pytest.approx(50.0)
-    rec["copy_stats"] = {"retrieve": {"tokens": 50_000, "copy_gbps": 41.5}}
-    assert bench._retrieve_gbps(rec) == (41.5, "LMCache's stream-timed H2D copy")
-
-
-def test_a_restore_from_the_page_cache_is_labelled_in_table_and_targets(tmp_path: Path) -> None:
-    b = bench.BIG_MODEL
-    rec = _restore_rec(12.0, 2.0)
-    rec.update(model=b, backend="FLASHINFER", prompt_tokens=26624, page_cache={"dropped": False})
-    res = bench.load_results(tmp_path / "x.json")
-    res["records"][f"restore:{b}:FLASHINFER:patched:26624"] = rec
-    got = {t["target"]: t for t in bench.evaluate_targets(res)}
-    assert "page cache" in got["ttft_speedup_26k"]["detail"]
-    md = bench.markdown_report(res)
-    assert md.splitlines()[
-        [i for i, x in enumerate(md.splitlines()) if "| 26624 |" in x][0]
-    ].endswith("| kept |")
-    rec["page_cache"] = {"dropped": True}
-    assert "page cache" not in bench.evaluate_targets(res)[0]["detail"]
-    assert "| dropped |" in bench.markdown_report(res)
-
-
-def test_a_copy_rate_is_reported_only_when_it_covers_the_restore() -> None:
-    warm_up_only = {"retrieve": {"ops": 1, "tokens": 1056, "gb": 0.1, "copy_gbps": 13.5}}
-    assert bench.timed_copy_gbps(warm_up_only, "retrieve", 26400) is None
-    both = {"retrieve": {"ops": 2, "tokens": 27456, "gb": 3.6, "copy_gbps": 33.5}}
-    assert bench.timed_copy_gbps(both, "retrieve", 26400) == 33.5
-    assert bench.timed_copy_gbps(None, "retrieve", 26400) is None
-    assert bench.timed_copy_gbps(both, "retrieve", None) is None
-
-
-def test_both_arms_add_their_records_to_one_results_file(tmp_path: Path, monkeypatch) -> None:
-    env = {"versions": {}, "hardware": {}, "server_args": []}
-    monkeypatch.setattr(gate, "collect_environment", lambda py, d: env)
-    monkeypatch.setattr(gate, "arm_problem", lambda arm, v, d: None)
-    monkeypatch.setattr(bench, "run_step", lambda s, node, gib: {"ok": True})
-    path = tmp_path / "bench-gpu-x.json"
-    for arm in ("patched", "pristine"):
-        node = bench.Node(arm=arm, lmcache_dir=tmp_path, work=tmp_path / "w")
-        bench.run_steps(bench.default_steps(arm)[:1], node, path)
-    res = bench.load_results(path)
-    assert [r["arm"] for r in res["runs"]] == ["patched", "pristine"]
-    assert set(res["records"]) == {"pinned", "bytes:qwen35-r17:FLASHINFER:pristine:8192"}
+def test_engine_proc_probes_the_wall_clock_and_the_bytes_read_from_storage() -> None:
+    before = time.time()
+    probe = engine_proc._request_probe()
+    assert before <= probe["epoch"] <= time.time()
+    assert probe["read_bytes"] is None or probe["read_bytes"] >= 0
