@@ -1,7 +1,7 @@
 """GPU benchmark (issue 22): restore TTFT after a restart, every arm side by side on one node:
 cold, default, pagecache, offloading, lmcache056 (bench/README.md). Engines are
 tests/gpu/engine_proc.py processes started by tests/gpu/gate.py; the results (JSON, markdown)
-are rewritten after every measured step, and an existing results file is resumed."""
+are rewritten after every measured step."""
 
 from __future__ import annotations
 
@@ -452,13 +452,8 @@ def markdown_report(results: dict[str, Any]) -> str:
     return "\n".join(lines + ["", "## Findings", "", *(found or ["- none"])]) + "\n"
 
 
-def load_results(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        data = {}
-    new = {"schema": SCHEMA, "created": _dt.date.today().isoformat(), "runs": [], "rows": {}}
-    return data if data.get("schema") == SCHEMA else new
+def new_results() -> dict[str, Any]:
+    return {"schema": SCHEMA, "created": _dt.date.today().isoformat(), "runs": [], "rows": {}}
 
 
 def write_results(results: dict[str, Any], path: Path) -> None:
@@ -566,10 +561,6 @@ class Bench:
 
     def save(self) -> None:
         write_results(self.results, self.a.results)
-
-    def done(self, m: gate.ModelSpec, p: int, arm: str) -> bool:
-        r = self.results["rows"].get(row_key(m.name, p, arm))
-        return bool(r and r.get("ok")) and not self.a.redo
 
     def row(self, m: gate.ModelSpec, p: int, arm: str) -> dict[str, Any]:
         r = {
@@ -717,7 +708,7 @@ class Bench:
 
 
 def run(a: argparse.Namespace) -> int | str:
-    results, arms = load_results(a.results), a.arms.split(",")
+    results, arms = new_results(), a.arms.split(",")
     cases: dict[str, set[int]] = {}
     for model, _, length in (c.strip().partition(":") for c in a.cases.split(",") if c.strip()):
         cases.setdefault(model, set()).add(LENGTHS.get(length) or int(length))
@@ -753,15 +744,15 @@ def run(a: argparse.Namespace) -> int | str:
     }
     bench.save()
     for m, lengths in ((MODELS[k], sorted(v)) for k, v in cases.items()):
-        if "cold" in arms and not all(bench.done(m, p, "cold") for p in lengths):
-            bench.cold_phase(m, [p for p in lengths if not bench.done(m, p, "cold")])
+        if "cold" in arms:
+            bench.cold_phase(m, lengths)
         for p in lengths:  # pagecache and default share a store, pagecache first
             for group, lmc in (
                 (("pagecache", "default"), a.lmcache_dir),
                 (("offloading",), None),
                 (("lmcache056",), a.l056_dir),
             ):
-                if todo := [x for x in group if x in arms and not bench.done(m, p, x)]:
+                if todo := [x for x in group if x in arms]:
                     bench.restore_phase(m, p, todo, lmc)
     print(markdown_report(results))
     return 0
@@ -776,7 +767,6 @@ def main(argv: Sequence[str] | None = None) -> int | str:
     ap.add_argument("--results", type=Path, default=REPO / "results" / "bench-gpu.json")
     ap.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-bench"), help="L2 tiers, logs")
     ap.add_argument("--time-limit-s", type=float, default=0, help="end the run after this many s")
-    ap.add_argument("--redo", action="store_true", help="rerun rows the results hold as passed")
     ap.add_argument("--engine-timeout", type=float, default=900.0)
     a = ap.parse_args(argv)
     a.lmcache_dir = a.lmcache_dir.resolve()
