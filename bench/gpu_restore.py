@@ -413,15 +413,13 @@ def markdown_report(results: dict[str, Any]) -> str:
         f"- probed rates (GB/s): {run.get('rates')}",
         "",
         "TTFT s, medians; cold in engine: the restore engine's colds, in turn.",
-        "",
-        f"| {HEADER} |",
-        "|" + "---|" * (HEADER.count("|") + 1),
     ]
+    rows = []
     for r in sorted(results["rows"].values(), key=sort_key):
         b, pc, gb = r.get("disk_bound") or {}, r.get("page_cache") or {}, r.get("read_bytes")
         cache = {True: "dropped", False: "kept"}.get(pc.get("dropped"), "-")
         cache += f" ({_f(pc.get('resident_fraction'), 2)} resident)" if pc else ""
-        cells = [
+        row = [
             r["model"],
             r["prompt_tokens"],
             r["arm"],
@@ -439,8 +437,8 @@ def markdown_report(results: dict[str, Any]) -> str:
             r.get("tokens_match"),
             "; ".join(r.get("errors") or [])[:200],
         ]
-        lines.append("| " + " | ".join(_f(c) for c in cells) + " |")
-    lines += ["", "## Targets", ""] + [
+        rows.append(row)
+    lines += ["", *gate.md_table(HEADER.split(" | "), rows), "", "## Targets", ""] + [
         f"- {t['target']}: {_f(t['value'])} vs >= {t['threshold']}: "
         f"{'met' if t['met'] else 'MISSED'} ({t['detail']})"
         for t in results.get("targets") or []
@@ -460,8 +458,7 @@ def write_results(results: dict[str, Any], path: Path) -> None:
     """<stem>.json, <stem>.md and, where matplotlib imports, <stem>-ttft.png."""
     summarize(results)
     path.parent.mkdir(parents=True, exist_ok=True)
-    gate.atomic_write(path, json.dumps(results, indent=1, default=str) + "\n")
-    gate.atomic_write(path.with_suffix(".md"), markdown_report(results))
+    gate.write_json_md(path.with_suffix(""), results, markdown_report(results))
     plot_ttft(results, path)
 
 

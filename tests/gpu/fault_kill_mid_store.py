@@ -453,14 +453,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"schema": SCHEMA, **header, "config": config}
     if problem:
         report["error"] = problem
-        Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        gate.write_json_md(stem, report, markdown_report(report))
         print(f"fault: {problem}", file=sys.stderr)
         return 2
     gate.install_cleanup_handler()
     report.update(run_fault(fc, gate.ColdRuns()))
-    Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    Path(f"{stem}.md").write_text(markdown_report(report))
-    print(Path(f"{stem}.md").read_text())
+    gate.write_json_md(stem, report, markdown_report(report))
+    print(markdown_report(report))
     return 0 if report["eval"]["pass"] else 1
 
 

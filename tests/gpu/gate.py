@@ -757,6 +757,18 @@ def fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def md_table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A markdown table, every cell through ``fmt``."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return lines + ["| " + " | ".join(map(fmt, row)) + " |" for row in rows]
+
+
+def write_json_md(stem: Path | str, report: dict[str, Any], markdown: str) -> None:
+    """``<stem>.json`` and ``<stem>.md``, each replaced whole."""
+    atomic_write(Path(f"{stem}.json"), json.dumps(report, indent=1, default=str) + "\n")
+    atomic_write(Path(f"{stem}.md"), markdown)
+
+
 def table_row(arm: str, rec: dict[str, Any]) -> list[str]:
     ev = rec.get("eval", {})
     g = rec["geometry"]
@@ -787,11 +799,8 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"- extra server args: {report.get('server_args') or 'none'}",
         f"- cases run: {len(report['cases'])}",
         "",
-        "| " + " | ".join(TABLE_COLUMNS) + " |",
-        "|" + "---|" * len(TABLE_COLUMNS),
+        *md_table(TABLE_COLUMNS, (table_row(report["arm"], rec) for rec in report["cases"])),
     ]
-    for rec in report["cases"]:
-        lines.append("| " + " | ".join(table_row(report["arm"], rec)) + " |")
     errs = [(r["case"], r.get("eval", {}).get("errors")) for r in report["cases"]]
     errs = [f"- {c}: {'; '.join(e)[:600]}" for c, e in errs if e]
     return "\n".join(lines + (["", "## Errors", "", *errs] if errs else [])) + "\n"
@@ -839,8 +848,9 @@ def chunk_bytes_table(
             seen.setdefault((rec["model"], rec["chunk"]), {}).setdefault(arm, per)
     expected = expected_separate_chunk_bytes if separate else expected_chunk_bytes
     patched_head = "patched L2 objects (FA + GDN)" if separate else "patched L2 object"
-    head = f"| model | N/page/r | chunk | patched expected | {patched_head} | pristine expected "
-    lines = [head + "| pristine L2 object | pristine / patched |", "|" + "---|" * 8]
+    head = ("model", "N/page/r", "chunk", "patched expected", patched_head)
+    head += ("pristine expected", "pristine L2 object", "pristine / patched")
+    rows = []
     for (model, chunk), arms in sorted(seen.items()):
         m, g = MODELS[model], expected_geometry(MODELS[model])
         patched, pristine = arms.get("patched"), arms.get("pristine")
@@ -848,9 +858,8 @@ def chunk_bytes_table(
         cells = [model, f"{g.block_size}/{g.kernel_page}/{g.ratio}", str(chunk)]
         cells += [f"{expected(m, chunk):,}", f"{patched:,.0f}" if patched else "-"]
         cells += [f"{expected_pristine_chunk_bytes(m, chunk):,}"]
-        cells += [f"{pristine:,.0f}" if pristine else "-", ratio]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append([*cells, f"{pristine:,.0f}" if pristine else "-", ratio])
+    return md_table(head, rows)
 
 
 def run_errors(rec: dict[str, Any]) -> list[str]:
@@ -1558,8 +1567,7 @@ def write_report(report: dict[str, Any], stem: Path) -> None:
     report["summary"] = {"run": len(evs), "passed": sum(bool(ev.get("pass")) for ev in evs)}
     report["summary"]["bytes_mismatch"] = sum(ev.get("bytes_match") is False for ev in evs)
     report["summary"]["errors"] = sum(not ev.get("completed") for ev in evs)
-    Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    Path(f"{stem}.md").write_text(markdown_report(report))
+    write_json_md(stem, report, markdown_report(report))
 
 
 def run_matrix(

@@ -482,8 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: Rec = {"schema": SCHEMA, **head, "config": config | {"workload": asdict(cfg.workload)}}
 
     def flush() -> None:
-        Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-        Path(f"{stem}.md").write_text(markdown_report(report))
+        gate.write_json_md(stem, report, markdown_report(report))
 
     if problem:
         report["error"] = problem
@@ -491,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gate.install_cleanup_handler()
         run_load(cfg, report, flush)
     flush()
-    print(Path(f"{stem}.md").read_text())
+    print(markdown_report(report))
     return 2 if problem else 0 if report["analysis"]["pass"] else 1
 
 
