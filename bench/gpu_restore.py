@@ -13,7 +13,6 @@ import mmap
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -146,11 +145,6 @@ def engine_spec(
         pairs = ((2, "B"), (3, "D"))
         spec["timed_pairs"] = [{"restore": prompt(p, t), **colds[i]} for i, t in pairs]
     return spec
-
-
-def median(values: Sequence[float | None]) -> float | None:
-    got = [v for v in values if v is not None]
-    return statistics.median(got) if got else None
 
 
 _TS = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]"
@@ -304,12 +298,12 @@ def fill_restore_row(row: dict[str, Any], m: gate.ModelSpec, store: Any, res: An
         row["restores"].append(got)
     colds = [s["ttft_s"] for k, s in reqs if k == "cold" and s and not s.get("num_cached_tokens")]
     row.update(
-        restore_ttft_s=median([r["ttft_s"] for r in row["restores"] if r["hit_tokens"]]),
-        read_bytes=median([r.get("read_bytes") for r in row["restores"]]),
-        h2d_gbps=median(rates),
+        restore_ttft_s=gate.median([r["ttft_s"] for r in row["restores"] if r["hit_tokens"]]),
+        read_bytes=gate.median([r.get("read_bytes") for r in row["restores"]]),
+        h2d_gbps=gate.median(rates),
         h2d_timed=sum(r is not None for r in rates),
         cold_in_engine_ttfts_s=colds,
-        cold_in_engine_s=median(colds),
+        cold_in_engine_s=gate.median(colds),
         hit_tokens=hits[0],
         required_hit=gate.required_hit(p, n),
     )
@@ -507,7 +501,7 @@ def pinned_probe(py: str) -> dict[str, Any]:
     for line in cp.stdout.splitlines():
         if line.startswith("BENCH-PINNED "):
             d = json.loads(line.split(" ", 1)[1])
-            return {**d, "h2d_gbps": d["bytes"] / statistics.median(d["h2d_s"]) / GB}
+            return {**d, "h2d_gbps": d["bytes"] / gate.median(d["h2d_s"]) / GB}
     return {"error": (cp.stderr or cp.stdout)[-1500:]}
 
 
@@ -613,7 +607,7 @@ class Bench:
             for p, pair in zip(lengths, res.get("timed_pairs") or [], strict=False):
                 colds = [pair[f"c{i}"] for i in range(1, RESTORES + 1)]
                 ttfts = [c["ttft_s"] for c in colds if not c.get("num_cached_tokens")]
-                rows[p].update(cold_ttfts_s=ttfts, cold_ttft_s=median(ttfts))
+                rows[p].update(cold_ttfts_s=ttfts, cold_ttft_s=gate.median(ttfts))
         except StepError as e:
             for r in rows.values():
                 r["errors"].append(str(e))

@@ -287,14 +287,9 @@ def required_hit(prompt_tokens: int, chunk: int, promisable: int | None = None) 
     return min(math.ceil(HIT_FRACTION * prompt_tokens), promisable)
 
 
-def _median(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _ttft(engine: dict[str, Any]) -> float | None:
-    """Time to the first token (engine_proc's ttft_s); whole-request time from older runs."""
-    v = engine.get("ttft_s")
-    return engine.get("gen_s") if v is None else v
+def median(values: Iterable[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
 
 
 def _timed_ttft(timed: dict[str, Any] | None, restored: bool) -> float | None:
@@ -310,7 +305,7 @@ def d_timings(restore: dict[str, Any]) -> tuple[list[float], list[float], list[s
     """The restore engine's TTFTs that (d) compares: every timed restore of a stored prompt
     (the measured one, then ``timed_pairs``) and every cold prefill of an unstored one (the
     cold reference, then the pairs'); plus problems (a repeat that missed or hit a cache)."""
-    restores = [t] if (t := _ttft(restore)) is not None else []
+    restores = [t] if (t := restore.get("ttft_s")) is not None else []
     colds = [t] if (t := _timed_ttft(restore.get("cold_reference"), False)) is not None else []
     problems = []
     for i, pair in enumerate(restore.get("timed_pairs") or [], 1):
@@ -654,10 +649,10 @@ def evaluate_case(
         hit_tokens=hit,
         hit_pct=round(100.0 * hit / p, 2),
         required_hit=required_hit(p, case.chunk, promisable=case.promisable_hit),
-        restore_s=_median(restore_runs),
+        restore_s=median(restore_runs),
         restore_runs_s=restore_runs,
-        cold_s=_ttft(cold),
-        cold_same_engine_s=_median(cold_runs),
+        cold_s=cold.get("ttft_s"),
+        cold_same_engine_s=median(cold_runs),
         cold_same_engine_runs_s=cold_runs,
         first_restore_s=_timed_ttft((restore.get("warm_first") or {}).get("restore"), True),
         kv=kv,
@@ -1209,13 +1204,6 @@ def l2_discards(server_log_text: str) -> int:
     return len(L2_DISCARD.findall(server_log_text))
 
 
-def store_failures(server_log: Path | None) -> int:
-    try:
-        return Path(server_log).read_text(errors="replace").count(STORE_FAILED) if server_log else 0
-    except OSError:
-        return 0
-
-
 def wait_l2_stable(
     tier: str | Path,
     min_objects: int,
@@ -1237,8 +1225,10 @@ def wait_l2_stable(
         elif time.monotonic() - since >= quiet:
             if inv["objects"] >= min_objects:
                 return {**inv, "stable": True}
-            failed = store_failures(server_log)
-            if failed:
+            log = (
+                server_log.read_text(errors="replace") if server_log and server_log.exists() else ""
+            )
+            if failed := log.count(STORE_FAILED):
                 return {**inv, "stable": False, "store_failures": failed}
     return {**last, "stable": False}
 
@@ -1272,7 +1262,7 @@ def engine_spec(
     server_log: Path | None = None,
 ) -> dict[str, Any]:
     """``l2``: the store engine's L2 tier (a folder, or ``redis://host:port``), which it
-    waits on before it exits; ``server_log`` defaults to server1.log beside the folder."""
+    waits on before it exits, giving up early on the failed stores ``server_log`` shows."""
     g = case.geometry
     p = case.prompt_tokens
     spec: dict[str, Any] = {
@@ -1311,8 +1301,6 @@ def engine_spec(
         spec["l2"] = str(l2)
         stored = p if case.turn == 1 else p + case.answer_tokens - 1
         spec["l2_min_objects"] = (stored // case.chunk) * case.tp
-        if server_log is None and isinstance(l2, Path):
-            server_log = l2.parent / "server1.log"
         if server_log is not None:
             spec["server_log"] = str(server_log)
     return spec
@@ -1340,11 +1328,6 @@ def store_spec(
     return spec
 
 
-def turn2_prompt(case: Case, answer: Sequence[int]) -> list[int]:
-    """Turn 2: turn 1's prompt, the model's answer to it, and the question."""
-    return [*make_prompt(case.prompt_tokens, seed=1), *answer, *TURN2_QUESTION]
-
-
 def restore_spec(
     case: Case, model_dir: Path, rc: RunConfig, port: int, answer: Sequence[int] = ()
 ) -> dict[str, Any]:
@@ -1358,7 +1341,7 @@ def restore_spec(
     spec = engine_spec(case, "restore", model_dir, rc, port, None)
     cold_reference = make_prompt(p, seed=4)
     if case.turn == 2:
-        prompt = turn2_prompt(case, answer)
+        prompt = [*make_prompt(p, seed=1), *answer, *TURN2_QUESTION]
         spec.update(prompt=prompt, prompt_key=prompt_key(prompt), new_tokens=NEW_TOKENS)
         cold_reference = make_prompt(len(prompt), seed=4)
     pairs = [(WARM_RESTORE_SEED, 5), *D_REPEAT_SEEDS]
@@ -1460,12 +1443,6 @@ def _slim(r: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if r is None else {k: v for k, v in r.items() if k != "kv_hashes"}
 
 
-def nvidia_smi(*args: str, timeout: float = 60.0) -> list[str]:
-    """nvidia-smi's non-empty output lines (OSError where there is no nvidia-smi)."""
-    cp = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=timeout)
-    return [ln.strip() for ln in cp.stdout.splitlines() if ln.strip()]
-
-
 def collect_environment(py: str, lmcache_dir: Path) -> dict[str, Any]:
     probe = r"""
 import importlib, importlib.metadata as md, importlib.util, json
@@ -1503,9 +1480,11 @@ print("GATE-ENV " + json.dumps(out))
             versions = {"probe_error": (cp.stderr or cp.stdout)[-1500:]}
     except (OSError, subprocess.TimeoutExpired) as e:
         versions = {"probe_error": str(e)}
+    query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
     gpus: list[str] | str
     try:
-        gpus = nvidia_smi("--query-gpu=name,driver_version,memory.total", "--format=csv,noheader")
+        cp = subprocess.run(query, capture_output=True, text=True, timeout=60)
+        gpus = [ln.strip() for ln in cp.stdout.splitlines() if ln.strip()]
     except (OSError, subprocess.TimeoutExpired) as e:
         gpus = f"nvidia-smi failed: {e}"
     return {"versions": versions, "hardware": {"gpus": gpus}, "server_args": extra_server_args()}
@@ -1611,13 +1590,6 @@ def run_matrix(
     return {**report, "json_path": f"{stem}.json", "md_path": f"{stem}.md"}
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def add_run_args(
     ap: argparse.ArgumentParser, *, work: Path, kv_cache_gib: float | None, arms: Sequence[str]
 ) -> None:
@@ -1692,12 +1664,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     a = ap.parse_args(argv)
     if a.matrix:
-        reports = [_read_json(p) for p in a.matrix]
-        if None in reports:
-            ap.error(f"unreadable report among {[str(p) for p in a.matrix]}")
         try:
-            print(matrix_report([r for r in reports if r is not None], a.tp), end="")
-        except ValueError as e:
+            print(matrix_report([json.loads(p.read_text()) for p in a.matrix], a.tp), end="")
+        except (OSError, ValueError) as e:  # an unreadable report, or reports that do not mix
             ap.error(str(e))
         return 0
     cases = select_cases(a.cases, a.tp)

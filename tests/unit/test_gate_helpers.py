@@ -211,6 +211,7 @@ def _engine(tokens, lps, gen_s, cached=None, kv=None, health=True) -> dict:
         "tokens": tokens,
         "logprobs": lps,
         "gen_s": gen_s,
+        "ttft_s": gen_s,
         "num_cached_tokens": cached,
         "kv_hashes": kv,
         "weights_fingerprint": "w",
