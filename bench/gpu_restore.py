@@ -629,18 +629,8 @@ class Bench:
             if offload:
                 return {"kv_transfer_config": offloading_transfer_config(tier, cpu, eid)}
             port, l1 = gate.free_port(), max(4, math.ceil(2.5 * pb / GB) + 2)
-            procs.append(
-                gate.start_server(
-                    self.py,
-                    env,
-                    port,
-                    block(m),
-                    tier,
-                    log,
-                    l1_size_gb=l1,
-                    extra_args=SERVER_STATS_ARGS,
-                )
-            )
+            args = (self.py, env, port, block(m), tier, log)
+            procs.append(gate.start_server(*args, l1_size_gb=l1, extra_args=SERVER_STATS_ARGS))
             return {"lmcache": port}
 
         try:
@@ -661,11 +651,9 @@ class Bench:
                 tail = str(store.get("error"))[-1500:]
                 raise StepError(f"store engine (idle: {store.get('idle')}): {tail}")
             files = sorted(tier.rglob("*.bin" if offload else "*.data"))
-            inv = (
-                gate.l2_inventory(tier)
-                if not offload
-                else {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
-            )
+            inv = {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+            if not offload:
+                inv = gate.l2_inventory(tier)
             for arm, eid in zip(arms, ids[1:], strict=True):
                 if arm != "pagecache":
                     fs_l2_read.drop_cache(files)
@@ -718,10 +706,8 @@ def run(a: argparse.Namespace) -> int | str:
         "dev_shm_gb": os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free / GB,
     }
     results["runs"].append(info)
-    if (problem := gate.arm_problem("patched", envinfo["versions"], a.lmcache_dir)) and {
-        "default",
-        "pagecache",
-    } & set(arms):
+    problem = gate.arm_problem("patched", envinfo["versions"], a.lmcache_dir)
+    if problem and {"default", "pagecache"} & set(arms):
         info["error"] = problem
         bench.save()
         return f"bench: {problem}"
