@@ -106,35 +106,21 @@ def offloading_transfer_config(root: Path, cpu_bytes: int, engine_id: str) -> di
 def engine_spec(
     m: gate.ModelSpec, p: int, role: str, model_dir: Path, conn: Any = None, cold: str = ""
 ) -> dict[str, Any]:
-    """engine_proc's spec; ``conn``: {"lmcache": port} or {"kv_transfer_config": ...}. store: A
+    """gate.base_spec; ``conn``: {"lmcache": port} or {"kv_transfer_config": ...}. store: A
     (KV hashed), W (short), B, D. restore: warm-up (cold prefill if ``cold``, W), A (KV hashed),
     B, D, each then followed by a cold prefill of a ``cold`` prompt if ``cold``."""
-    n, a, (util, std) = block(m), prompt(p, "A"), ENGINE[m.name]
+    n, a, (util, std), conn = block(m), prompt(p, "A"), ENGINE[m.name], conn or {}
     w = prompt(min(p, WARM_BLOCKS * n + n // 2), "W")
-    spec: dict[str, Any] = {
-        "role": role,
-        "model_dir": str(model_dir),
-        "language_model_only": m.family == "qwen3_5",
-        "tensor_parallel_size": 1,
-        "gpu_memory_utilization": util,
-        "weight_std": std,
-        "max_num_batched_tokens": 2 * n - 1,
-        "max_model_len": p + 4 * n,  # 0.5.3: N <= it < 2N
-        "prompt": a,
-        "prompt_key": gate.prompt_key(a),
-        "attention_backend": "FLASHINFER",
-        "warmup": gate.make_prompt(2 * n + 3, seed=2),
-        "new_tokens": NEW_TOKENS,
-        "top_k": None,
-        "health": gate.make_prompt(3 * n + 17, seed=3),
-        "weight_seed": gate.WEIGHT_SEED,
-        "kv_hashes": role != "cold",
-        "log_stats": True,
-    }
-    if conn and "lmcache" in conn:
-        mp = {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": conn["lmcache"]}
-        spec["lmcache"] = {"module_path": gate.CONNECTOR_MODULE, "extra_config": mp}
-    elif conn:
+    spec = gate.base_spec(m, n, role, model_dir, a, conn.get("lmcache"))
+    spec.update(
+        gpu_memory_utilization=util,
+        weight_std=std,
+        new_tokens=NEW_TOKENS,
+        top_k=None,
+        kv_hashes=role != "cold",
+        log_stats=True,
+    )
+    if "kv_transfer_config" in conn:
         spec["kv_transfer_config"] = conn["kv_transfer_config"]
     if role == "store":
         spec["also_store"] = [w, prompt(p, "B"), prompt(p, "D")]

@@ -1252,6 +1252,31 @@ class RunConfig:
     work: Path = field(default_factory=lambda: Path("/tmp/hybridfa-gate"))
 
 
+def base_spec(
+    m: ModelSpec, n: int, role: str, model_dir: Path, prompt: list[int], port: int | None
+) -> dict[str, Any]:
+    """engine_proc's spec of an engine of ``m`` (block size ``n``) at TP 1 under FlashInfer,
+    batches of 2N - 1, whose measured request is ``prompt``; ``port``: its LMCache server's."""
+    spec: dict[str, Any] = {
+        "role": role,
+        "model_dir": str(model_dir),
+        "language_model_only": m.family == "qwen3_5",
+        "tensor_parallel_size": 1,
+        "max_num_batched_tokens": 2 * n - 1,  # 0.5.3: N <= it < 2N
+        "attention_backend": "FLASHINFER",
+        "max_model_len": len(prompt) + 4 * n,
+        "prompt": prompt,
+        "prompt_key": prompt_key(prompt),
+        "warmup": make_prompt(2 * n + 3, seed=2),
+        "health": make_prompt(3 * n + 17, seed=3),
+        "weight_seed": WEIGHT_SEED,
+    }
+    if port is not None:
+        mp = {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port}
+        spec["lmcache"] = {"module_path": CONNECTOR_MODULE, "extra_config": mp}
+    return spec
+
+
 def engine_spec(
     case: Case,
     role: str,
@@ -1261,29 +1286,22 @@ def engine_spec(
     l2: Path | str | None,
     server_log: Path | None = None,
 ) -> dict[str, Any]:
-    """``l2``: the store engine's L2 tier (a folder, or ``redis://host:port``), which it
-    waits on before it exits, giving up early on the failed stores ``server_log`` shows."""
-    g = case.geometry
-    p = case.prompt_tokens
-    spec: dict[str, Any] = {
-        "role": role,
-        "model_dir": str(model_dir),
-        "language_model_only": case.spec.family == "qwen3_5",
-        "tensor_parallel_size": case.tp,
-        "gpu_memory_utilization": rc.gpu_memory_utilization,
-        "max_num_batched_tokens": case.max_num_batched_tokens,
-        "attention_backend": case.backend,
-        "max_model_len": (p if case.turn == 1 else case.turn2_prompt_tokens) + 4 * g.block_size,
-        "prompt": make_prompt(p, seed=1),
-        "warmup": make_prompt(2 * g.block_size + 3, seed=2),
-        "health": make_prompt(3 * g.block_size + 17, seed=3),
-        "prompt_key": prompt_key(make_prompt(p, seed=1)),
-        "new_tokens": case.answer_tokens,
-        "top_k": TOP_K,
-        "weight_seed": WEIGHT_SEED,
-        "weight_std": WEIGHT_STD,
-        "layout": case.layout,
-    }
+    """``base_spec`` for ``case``; ``l2``: the store engine's L2 tier (a folder, or
+    ``redis://host:port``), which it waits on before it exits, giving up early on the failed
+    stores ``server_log`` shows."""
+    g, p = case.geometry, case.prompt_tokens
+    spec = base_spec(case.spec, g.block_size, role, model_dir, make_prompt(p, seed=1), port)
+    spec.update(
+        tensor_parallel_size=case.tp,
+        gpu_memory_utilization=rc.gpu_memory_utilization,
+        max_num_batched_tokens=case.max_num_batched_tokens,
+        attention_backend=case.backend,
+        max_model_len=(p if case.turn == 1 else case.turn2_prompt_tokens) + 4 * g.block_size,
+        new_tokens=case.answer_tokens,
+        top_k=TOP_K,
+        weight_std=WEIGHT_STD,
+        layout=case.layout,
+    )
     if rc.kv_cache_memory_bytes:
         spec["kv_cache_memory_bytes"] = rc.kv_cache_memory_bytes
     if case.spec_tokens:
@@ -1292,11 +1310,6 @@ def engine_spec(
         # vLLM's own prefix cache is turn 2's reference: this engine runs turn 1, then turn 2.
         spec["turn2_question"] = list(TURN2_QUESTION)
         spec["turn2_new_tokens"] = NEW_TOKENS
-    if port is not None:
-        spec["lmcache"] = {
-            "module_path": CONNECTOR_MODULE,
-            "extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port},
-        }
     if role == "store" and l2 is not None:
         spec["l2"] = str(l2)
         stored = p if case.turn == 1 else p + case.answer_tokens - 1
