@@ -802,8 +802,8 @@ def markdown_report(report: dict[str, Any]) -> str:
 
 
 def expected_separate_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
-    """Bytes of one chunk with --separate-object-groups (patch 0013): the FA object of the
-    whole chunk plus a GDN object holding the chunk's last block only."""
+    """Bytes of one patched chunk (from revision 10; before, with --separate-object-groups):
+    the FA object of the whole chunk plus a GDN object holding the chunk's last block only."""
     n, fa_layers = expected_geometry(m, tp).block_size, m.num_hidden_layers // 4  # 3:1 hybrid
     blocks = fa_layers * (chunk // n) + m.num_hidden_layers - fa_layers
     return blocks * n * attn_bytes_per_token(m, tp)
@@ -830,20 +830,15 @@ def expected_pristine_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
     return expected_chunk_bytes(m, chunk, tp) - fa_bytes * (r - 1) // r
 
 
-def chunk_bytes_table(
-    runs: dict[tuple[str, str], list[dict[str, Any]]], separate: bool = False
-) -> list[str]:
+def chunk_bytes_table(runs: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
     """Bytes of one L2 chunk per model and chunk, measured (the first run that stored
-    any) against expected, patched and pristine; ``separate``: the patched reports ran
-    with --separate-object-groups (a chunk is an FA object and a one-block GDN object)."""
+    any) against expected, patched and pristine."""
     seen: dict[tuple[str, int], dict[str, float]] = {}
     for (arm, _), recs in sorted(runs.items()):
         rec = recs[0]
         if per := chunk_bytes_of(rec.get("l2_after_store") or {}) or rec.get("l2_bytes_per_object"):
             seen.setdefault((rec["model"], rec["chunk"]), {}).setdefault(arm, per)
-    expected = expected_separate_chunk_bytes if separate else expected_chunk_bytes
-    patched_head = "patched L2 objects (FA + GDN)" if separate else "patched L2 object"
-    head = ("model", "N/page/r", "chunk", "patched expected", patched_head)
+    head = ("model", "N/page/r", "chunk", "patched expected", "patched L2 objects (FA + GDN)")
     head += ("pristine expected", "pristine L2 object", "pristine / patched")
     rows = []
     for (model, chunk), arms in sorted(seen.items()):
@@ -851,7 +846,8 @@ def chunk_bytes_table(
         patched, pristine = arms.get("patched"), arms.get("pristine")
         ratio = fmt(pristine / patched) if patched and pristine else "-"
         cells = [model, f"{g.block_size}/{g.kernel_page}/{g.ratio}", str(chunk)]
-        cells += [f"{expected(m, chunk):,}", f"{patched:,.0f}" if patched else "-"]
+        cells += [f"{expected_separate_chunk_bytes(m, chunk):,}"]
+        cells += [f"{patched:,.0f}" if patched else "-"]
         cells += [f"{expected_pristine_chunk_bytes(m, chunk):,}"]
         rows.append([*cells, f"{pristine:,.0f}" if pristine else "-", ratio])
     return md_table(head, rows)
@@ -918,21 +914,8 @@ def restored_blocks(ev: dict[str, Any]) -> str:
     return f"FA {fa - kv.get('fa_bad', 0)}/{fa}, GDN {gdn - kv.get('gdn_bad', 0)}/{gdn}"
 
 
-def hybridfa_revision(report: dict[str, Any]) -> int:
-    """The hybrid-FA revision a report ran (0: pristine or unknown)."""
-    version = str((report.get("versions") or {}).get("hybridfa_version") or "")
-    tail = version.rpartition("+hybridfa.")[2]
-    return int(tail) if tail.isdigit() else 0
-
-
 def _times(ev: dict[str, Any]) -> str:
     return f"{fmt(ev.get('restore_s'))} / {fmt(ev.get('cold_same_engine_s'))}"
-
-
-SPLIT_NOTE = (
-    " A patched chunk is two objects, each with a trailer: FA for the whole chunk, GDN for its"
-    " last block."
-)
 
 
 def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
@@ -944,9 +927,6 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
         raise ValueError(
             f"patched reports ran with different server args {sorted(patched_args)}: {why}"
         )
-    # From revision 10 every hybrid chunk is an FA object plus a one-block GDN object.
-    split = "--separate-object-groups" in next(iter(patched_args), ())
-    split |= any(hybridfa_revision(r) >= 10 for r in reports if r["arm"] == "patched")
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rep in reports:
         for rec in rep.get("cases", []):
@@ -1007,9 +987,10 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
         "## Bytes per L2 chunk object",
         "",
         "Patched objects carry patch 0006's 40-byte trailer; pristine moves 1 FA kernel page "
-        "of r per block (HND pristine cases store nothing)." + (SPLIT_NOTE if split else ""),
+        "of r per block (HND pristine cases store nothing). A patched chunk is two objects, "
+        "each with a trailer: FA for the whole chunk, GDN for its last block.",
         "",
-        *chunk_bytes_table(runs, separate=split),
+        *chunk_bytes_table(runs),
     ]
     return "\n".join(lines) + "\n"
 
