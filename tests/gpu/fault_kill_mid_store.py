@@ -382,7 +382,7 @@ def run_fault(fc: FaultConfig, cold_runs: gate.ColdRuns) -> dict[str, Any]:
             )
             gate.kill_group(srv2)
             text = (wd / "server2.log").read_text(errors="replace")
-            rec["server2"] = {**gate.server_log_facts(text), "l2_discards": gate.l2_discards(text)}
+            rec["server2"] = gate.server_log_facts(text)
     except (gate.ServerError, OSError) as e:
         rec["server_error"] = str(e)[-3000:]
     finally:

@@ -1165,6 +1165,8 @@ def engine_log_facts(text: str) -> dict[str, Any]:
 STORE_FAILED = "Cannot store keys due to exception"
 # Patch 0021's registration error: a hybrid layout on a server with an fs_native tier.
 REFUSAL = "publishes objects without an integrity check"
+# The fs adapter found an object damaged (short read, bad trailer) and removed it.
+L2_DISCARD = re.compile(r"is not an intact \d+-byte object|Incomplete (?:O_DIRECT )?read for")
 
 
 def server_log_facts(text: str) -> dict[str, Any]:
@@ -1174,15 +1176,8 @@ def server_log_facts(text: str) -> dict[str, Any]:
         "errors": len(re.findall(r"\bERROR\b|Traceback", text)),
         "store_failures": text.count(STORE_FAILED),
         "refusals": text.count(REFUSAL),
+        "l2_discards": len(L2_DISCARD.findall(text)),
     }
-
-
-L2_DISCARD = re.compile(r"is not an intact \d+-byte object|Incomplete (?:O_DIRECT )?read for")
-
-
-def l2_discards(server_log_text: str) -> int:
-    """Objects the fs adapter found damaged (short read, bad trailer) and removed."""
-    return len(L2_DISCARD.findall(server_log_text))
 
 
 def wait_l2_stable(

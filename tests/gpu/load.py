@@ -433,7 +433,7 @@ def run_phase(cfg: LoadConfig, env: dict[str, str], model_dir: Path, phase: int)
         if srv is not None:
             gate.kill_group(srv)
     text = log.read_text(errors="replace") if log.exists() else ""
-    meta["server"] = {**gate.server_log_facts(text), "l2_discards": gate.l2_discards(text)}
+    meta["server"] = gate.server_log_facts(text)
     inv = gate.l2_inventory(wd / "l2", with_files=True)
     return meta | {"l2_objects": inv["objects"], "l2_bytes": inv["bytes"], "files": inv["files"]}
 
