@@ -130,9 +130,6 @@ MODELS: dict[str, ModelSpec] = {
     "qwen35-r17": ModelSpec("qwen35-r17", "qwen3_5", 2, 256, 4, 16, 16, 128, 128, "float32"),
     "qwen35-r25": ModelSpec("qwen35-r25", "qwen3_5", 2, 256, 4, 48, 48, 128, 128, "float32"),
 }
-EXPECTED: dict[int, Geometry] = {
-    r: Geometry(n, n // r, r) for n, r in ((80, 5), (544, 17), (1600, 25))
-}
 
 
 def attn_bytes_per_token(m: ModelSpec, tp: int = 1) -> int:
