@@ -442,15 +442,15 @@ def write_results(results: dict[str, Any], path: Path) -> None:
     plot_ttft(results, path)
 
 
-def plot_ttft(results: dict[str, Any], path: Path) -> Path | None:
-    """<stem>-ttft.png: TTFT per model and arm against prompt length (None: no matplotlib)."""
+def plot_ttft(results: dict[str, Any], path: Path) -> None:
+    """<stem>-ttft.png: TTFT per model and arm against prompt length, where matplotlib imports."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return None
+        return
     fig, ax = plt.subplots(figsize=(8, 5))
     for model, arm in sorted({(r["model"], r["arm"]) for r in results["rows"].values()}):
         key, label = "cold_ttft_s" if arm == "cold" else "restore_ttft_s", f"{model} {arm}"
@@ -463,9 +463,8 @@ def plot_ttft(results: dict[str, Any], path: Path) -> Path | None:
             ax.plot(*zip(*pts, strict=True), "o-" if model == TARGET_MODEL else "s:", label=label)
     ax.set(xscale="log", yscale="log", xlabel="prompt (k tokens)", ylabel="TTFT (s)")
     ax.legend(fontsize=7)
-    fig.savefig(out := path.with_name(f"{path.stem}-ttft.png"), dpi=120, bbox_inches="tight")
+    fig.savefig(path.with_name(f"{path.stem}-ttft.png"), dpi=120, bbox_inches="tight")
     plt.close(fig)
-    return out
 
 
 _PINNED_PROBE = r"""

@@ -349,10 +349,9 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
         kw["language_model_only"] = True
     if spec.get("log_stats"):  # RequestOutput.metrics (TTFT) for bench/gpu_restore.py
         kw["disable_log_stats"] = False
-    lmc = spec.get("lmcache")
     if spec.get("kv_transfer_config"):  # another connector (the bench's OffloadingConnector arm)
         kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
-    elif lmc:
+    elif lmc := spec.get("lmcache"):
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LMCacheMPConnector",
             kv_connector_module_path=lmc["module_path"],
@@ -460,9 +459,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     if spec.get("turn2_question"):
         # vLLM's own prefix cache serves turn 1's prompt and answer to turn 2.
         p2 = [*spec["prompt"], *result["tokens"], *spec["turn2_question"]]
-        turn2 = greedy.clone()
-        turn2.max_tokens = int(spec["turn2_new_tokens"])
-        out2, timed2 = _generate_timed(llm, p2, turn2)
+        out2, timed2 = _generate_timed(llm, p2, _sampling(spec["turn2_new_tokens"], spec["top_k"]))
         result["turn2"] = {"prompt_tokens": len(p2), **timed2, **_output(out2)}
         args = (gate.prompt_key(p2), len(p2))
         result["turn2"]["kv_hashes"] = llm.collective_rpc(_rpc_kv_hashes, args=args)

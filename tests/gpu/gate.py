@@ -164,7 +164,6 @@ def expected_geometry(m: ModelSpec, tp: int = 1, spec_tokens: int = 0) -> Geomet
     align = max(min(FLASHINFER_KERNEL_SIZES), DEFAULT_BLOCK_SIZE)
     page_bytes = mamba_page_bytes(m, tp, spec_tokens)
     n = align * math.ceil(page_bytes / (align * attn_bytes_per_token(m, tp)))
-    n = max(n, DEFAULT_BLOCK_SIZE)
     page = select_kernel_page(n)
     return Geometry(n, page, n // page)
 
@@ -1096,9 +1095,8 @@ def start_server(
     cmd += ["--l1-size-gb", f"{l1_size_gb:g}", "--eviction-policy", "LRU", "--port", str(port)]
     cmd += ["--http-port", str(free_port()), "--l2-adapter", json.dumps(adapter)]
     cmd += [*extra_args, *extra_server_args()]
-    fh = open(log, "w")  # noqa: SIM115 - handed to the child
-    proc = spawn(cmd, fh, env)
-    fh.close()
+    with open(log, "w") as fh:
+        proc = spawn(cmd, fh, env)
     ready = re.compile(r"running|started|listening|ready", re.I)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -1188,8 +1186,7 @@ def wait_l2_stable(
     for ``quiet`` s; give up early once it is quiet and ``server_log`` shows failed stores
     (pristine 0.5.3 under HND fails every store): the missing objects will never come."""
     deadline = time.monotonic() + timeout
-    last = tier_inventory(tier)
-    since = time.monotonic()
+    last, since = tier_inventory(tier), time.monotonic()
     while time.monotonic() < deadline:
         time.sleep(0.5)
         inv = tier_inventory(tier)
@@ -1216,9 +1213,7 @@ class RunConfig:
     out: Path
     python: str = sys.executable
     gpu_memory_utilization: float = 0.25
-    # Fixed KV cache size: vLLM then skips its memory profiling, which asserts that no
-    # other process freed GPU memory meanwhile (concurrent cases do).
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = None  # --kv-cache-gib
     jobs: int = 1
     engine_timeout: float = 420.0
     keep_l2: bool = False
