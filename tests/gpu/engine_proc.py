@@ -188,8 +188,7 @@ def _wait_l2(
     tier: str, min_objects: int, timeout: float = 90.0, server_log: str | None = None
 ) -> dict[str, Any]:
     """Stores are asynchronous: keep this process (and its GPU KV, which the server reads
-    through CUDA IPC) alive until the chunks reached the server's L2 tier, or until the
-    tier is quiet and the server logged failed stores (the rest will never come)."""
+    through CUDA IPC) alive until the chunks reached the L2 tier (``gate.wait_l2_stable``)."""
     t0 = time.monotonic()
     log = Path(server_log) if server_log else None
     res = gate.wait_l2_stable(tier, min_objects, timeout=timeout, server_log=log)
@@ -267,7 +266,6 @@ def _generate_timed(
 
 
 def _scheduler_connector(llm: Any) -> Any:
-    """The scheduler-side KV connector of the in-process engine core, None without one."""
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
     return getattr(getattr(core, "scheduler", None), "connector", None)
 

@@ -494,13 +494,10 @@ CASE_SETS += (turn2_matrix, l2_matrix)
 
 
 def named_cases(tp: int = 1) -> list[Case]:
-    """Every case a selector can name."""
     return [c for f in CASE_SETS[3:] for c in f(tp)]
 
 
 def select_cases(selector: str, tp: int = 1) -> list[Case]:
-    """Comma-separated: quick | core | all | full | deploy | mtp | turn2 | l2, case ids, or
-    regexes over case ids."""
     named = {f.__name__.removesuffix("_matrix"): f for f in CASE_SETS}
     pool = named_cases(tp)
     out: list[Case] = []
@@ -738,7 +735,6 @@ TABLE_COLUMNS += ("tokens match", "logprobs match", "pass")
 
 
 def fmt(v: Any, digits: int = 3) -> str:
-    """A value in a results table: - for none, yes/NO, floats to ``digits`` digits."""
     if v is None:
         return "-"
     if isinstance(v, bool):
@@ -749,13 +745,11 @@ def fmt(v: Any, digits: int = 3) -> str:
 
 
 def md_table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
-    """A markdown table, every cell through ``fmt``."""
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return lines + ["| " + " | ".join(map(fmt, row)) + " |" for row in rows]
 
 
 def write_json_md(stem: Path | str, report: dict[str, Any], markdown: str) -> None:
-    """``<stem>.json`` and ``<stem>.md``, each replaced whole."""
     atomic_write(Path(f"{stem}.json"), json.dumps(report, indent=1, default=str) + "\n")
     atomic_write(Path(f"{stem}.md"), markdown)
 
@@ -806,7 +800,6 @@ def expected_separate_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
 
 
 def object_group_means(inventory: dict[str, Any]) -> dict[str, float]:
-    """Mean object size per object group of an ``l2_inventory``."""
     groups = inventory.get("per_object_group") or {}
     return {og: g["bytes"] / g["objects"] for og, g in groups.items() if g.get("objects")}
 
@@ -850,8 +843,7 @@ def chunk_bytes_table(runs: dict[tuple[str, str], list[dict[str, Any]]]) -> list
 
 
 def run_errors(rec: dict[str, Any]) -> list[str]:
-    """Errors of a case's run outside its engines: failed stores, an L2 folder that never
-    settled after the store, a server that did not start."""
+    """Errors of a case's run outside its engines (stores, the L2 tier, the servers)."""
     errors = []
     failed = (rec.get("server1") or {}).get("store_failures")
     if failed:
@@ -870,7 +862,6 @@ def run_errors(rec: dict[str, Any]) -> list[str]:
 
 
 def add_errors(ev: dict[str, Any], errors: Sequence[str]) -> dict[str, Any]:
-    """Add run errors to a case's evaluation: a case with any error does not pass."""
     ev["errors"] = [*ev.get("errors", []), *errors]
     ev["pass"] = bool(ev.get("pass")) and not ev["errors"]
     return ev
@@ -1522,7 +1513,6 @@ def start_report(
 
 
 def write_report(report: dict[str, Any], stem: Path) -> None:
-    """Count the cases into ``summary`` and write ``<stem>.json`` and ``<stem>.md``."""
     evs = [r["eval"] for r in report["cases"]]
     report["summary"] = {"run": len(evs), "passed": sum(bool(ev.get("pass")) for ev in evs)}
     report["summary"]["bytes_mismatch"] = sum(ev.get("bytes_match") is False for ev in evs)
@@ -1533,8 +1523,7 @@ def write_report(report: dict[str, Any], stem: Path) -> None:
 def run_matrix(
     cases: Iterable[Case], rc: RunConfig, on_progress: Callable[[dict], None] | None = None
 ) -> dict[str, Any]:
-    """Run cases (``rc.jobs`` at a time); writes ``<out>/gpu-gate-<date>-<arm>.json`` and
-    ``.md`` after every case."""
+    """Run cases, ``rc.jobs`` at a time, rewriting the report after every case."""
     t0 = time.monotonic()
     cases = list(cases)
     stem, report, problem = start_report("gpu-gate", rc.arm, rc.python, rc.lmcache_dir, rc.out)
@@ -1574,8 +1563,6 @@ def run_matrix(
 def add_run_args(
     ap: argparse.ArgumentParser, *, work: Path, kv_cache_gib: float | None, arms: Sequence[str]
 ) -> None:
-    """The options of every GPU script: the arm, the lmcache under test, where results and
-    work go, the engines' GPU memory."""
     ap.add_argument("--arm", choices=arms, default="patched", help=ARM_HELP)
     ap.add_argument(
         "--lmcache-dir",
@@ -1607,8 +1594,6 @@ ARM_HELP = (
 def add_case_args(
     ap: argparse.ArgumentParser, *, model: str, work: Path, kv_cache_gib: float | None
 ) -> None:
-    """The options fault_kill_mid_store.py and load.py share: add_run_args' and the one
-    case they run."""
     add_run_args(ap, work=work, kv_cache_gib=kv_cache_gib, arms=("patched", "pristine"))
     ap.add_argument("--model", default=model, choices=sorted(MODELS))
     ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"))

@@ -192,8 +192,7 @@ def load_seconds(phase: dict[str, Any]) -> float | None:
 
 
 def analyze(phases: Recs, records: Recs, keys: Sequence[Sequence[str]], snapshots: Recs) -> Rec:
-    """The verdict from each phase's engine summary (``phases``), the request records and
-    the L2 file snapshots taken after each phase's kill."""
+    """The verdict from the phases, their request records and L2 snapshots (after each kill)."""
     ver = verify_restores(records, keys)
     split = [r for r in records if r.get("external") is not None]
     prompt = sum(r["P"] for r in split) or None
@@ -235,7 +234,6 @@ def analyze(phases: Recs, records: Recs, keys: Sequence[Sequence[str]], snapshot
 
 
 def _cell(v: Any) -> str:
-    """A report cell: a latency summary as p50 / p90 / p99 (n), else gate.fmt."""
     if isinstance(v, dict) and "n" in v:
         return " / ".join(gate.fmt(v[f"p{q}"]) for q in (50, 90, 99)) + f" (n={v['n']})"
     return gate.fmt(v)
@@ -384,7 +382,6 @@ class LoadConfig:
 
 
 def phase_spec(cfg: LoadConfig, model_dir: Path, port: int, phase: int, wd: Path) -> dict:
-    """engine_proc spec of one phase: the gate's engine spec plus the load fields."""
     case, w = cfg.case, cfg.workload
     n, pool = case.geometry.block_size, cfg.pool
     kv = int(cfg.kv_cache_gib * 2**30) if cfg.kv_cache_gib else None
