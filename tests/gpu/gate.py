@@ -578,12 +578,9 @@ def compare_kv_hashes(
 
 def connector_hit(result: dict[str, Any]) -> tuple[int, int]:
     """(external, local) prompt tokens of an engine's measured request: the KV connector's
-    hit and vLLM's own prefix cache's. Results without the split (before 2026-12-01)
-    report their sum, num_cached_tokens, as the external hit."""
-    ext = result.get("external_cached_tokens")
-    if ext is None:
-        return int(result.get("num_cached_tokens") or 0), 0
-    return int(ext), int(result.get("local_cached_tokens") or 0)
+    hit and vLLM's own prefix cache's."""
+    ext, local = (result.get(f"{k}_cached_tokens") for k in ("external", "local"))
+    return int(ext or 0), int(local or 0)
 
 
 def evaluate_case(

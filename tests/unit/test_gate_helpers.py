@@ -214,6 +214,8 @@ def _engine(tokens, lps, gen_s, cached=None, kv=None, health=True) -> dict:
         "gen_s": gen_s,
         "ttft_s": gen_s,
         "num_cached_tokens": cached,
+        "external_cached_tokens": cached,
+        "local_cached_tokens": 0,
         "kv_hashes": kv,
         "weights_fingerprint": "w",
         "geometry": {"block_size": 80, "kernel_page": 16, "ratio": 5},
