@@ -325,15 +325,14 @@ def evaluate_targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         resident = (r.get("page_cache") or {}).get("resident_fraction")
         if arm == "pagecache" and resident is not None and resident < 0.95:
             detail += f"; only {resident:.0%} of the L2 bytes were in the page cache"
-        out.append(
-            {
-                "target": f"{arm}_{kind}_{p // 1024}k",
-                "value": value,
-                "threshold": need,
-                "met": value is not None and value >= need and bool(r.get("correct")),
-                "detail": f"{TARGET_MODEL}, {p} tokens: {detail}",
-            }
-        )
+        target = {
+            "target": f"{arm}_{kind}_{p // 1024}k",
+            "value": value,
+            "threshold": need,
+            "met": value is not None and value >= need and bool(r.get("correct")),
+            "detail": f"{TARGET_MODEL}, {p} tokens: {detail}",
+        }
+        out.append(target)
     return out
 
 

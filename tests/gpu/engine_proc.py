@@ -36,13 +36,7 @@ def _runner(self: Any) -> Any:
 
 
 def _rank(self: Any) -> int:
-    worker = getattr(self, "worker", None) or self
-    r = getattr(worker, "rank", None)
-    if r is None:
-        import torch.distributed as dist
-
-        r = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return int(r)
+    return int((getattr(self, "worker", None) or self).rank)  # vLLM's WorkerBase sets it
 
 
 def _rpc_init_weights(self: Any, seed: int, std: float) -> dict[str, Any]:
