@@ -931,10 +931,10 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
     head += ("patched", "pristine: hit %, blocks equal", "pristine")
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     tally = {arm: {"ran": 0, "pass": 0, "a": 0} for arm in ("patched", "pristine")}
-    beyond = named_cases(tp)[len(full_matrix(tp)) :]
+    full = full_matrix(tp)
     ran = {case for arm, case in runs if arm in ("patched", "pristine")}
-    ran_deployment = [c for c in beyond if c.case_id in ran]
-    for case in full_matrix(tp) + ran_deployment:
+    cases = full + [c for c in named_cases(tp)[len(full) :] if c.case_id in ran]
+    for case in cases:
         cid, g = case.case_id, case.geometry
         row = [cid, f"{g.block_size}/{g.kernel_page}/{g.ratio}", case.layout]
         row += [str(case.chunk), str(case.prompt_tokens)]
@@ -954,8 +954,7 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
             else:
                 row += [seen, verdict(ev) + later(arm, cid)]
         lines.append("| " + " | ".join(row) + " |")
-    n = len(full_matrix(tp)) + len(ran_deployment)
-    p, q = tally["patched"], tally["pristine"]
+    n, p, q = len(cases), tally["patched"], tally["pristine"]
     lines += [
         "",
         f"- patched: {p['ran']} of {n} ran; {p['pass']} pass a-e on their first run; "
@@ -1342,10 +1341,8 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     rec["expect_refusal"] = refused
     rec["expected_chunk_bytes"] = expected_chunk_bytes(case.spec, case.chunk, case.tp)
     cold_spec = engine_spec(case, "cold", model_dir, rc, None, None)
-    run_cold = functools.partial(
-        run_engine, rc.python, env, cold_spec, wd, "cold", rc.engine_timeout
-    )
-    cold = cold_runs.get_or_run(cold_key(case), run_cold)
+    run_cold = functools.partial(run_engine, rc.python, env, cold_spec, wd, "cold")
+    cold = cold_runs.get_or_run(cold_key(case), lambda: run_cold(rc.engine_timeout))
     store = restore = None
     servers: list[subprocess.Popen[Any]] = []
     redis: l2_backends.RedisServer | None = None
@@ -1358,14 +1355,13 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             adapter = l2_backends.adapter_json("resp", port=redis.port)
         else:
             adapter = l2_backends.adapter_json(case.l2, folder=l2)
-        port = free_port()
-        srv = start_server(rc.python, env, port, case.chunk, adapter, wd / "server1.log")
+        port, log = free_port(), wd / "server1.log"
+        srv = start_server(rc.python, env, port, case.chunk, adapter, log)
         servers.append(srv)
-        sspec = store_spec(case, model_dir, rc, port, tier, wd / "server1.log")
+        sspec = store_spec(case, model_dir, rc, port, tier, log)
         if refused:
             sspec["l2_min_objects"] = 0
         store = run_engine(rc.python, env, sspec, wd, "store", rc.engine_timeout)
-        log = wd / "server1.log"
         rec["l2_after_store"] = wait_l2_stable(tier, sspec["l2_min_objects"], server_log=log)
         kill_group(srv)
         rec["server1"] = server_log_facts(log.read_text(errors="replace"))
