@@ -19,7 +19,7 @@ gate = _load("hybridfa_gpu_gate", GPU_DIR / "gate.py")
 @pytest.mark.parametrize("name", sorted(gate.MODELS))
 def test_expected_geometry_of_each_tiny_model(name: str) -> None:
     ratio = int(name.rsplit("-r", 1)[1])
-    n = {5: 80, 17: 544, 25: 1600}[ratio]  # the model's name gives its ratio
+    n = {5: 80, 17: 544, 25: 1600}[ratio]  # N of each ratio
     assert gate.expected_geometry(gate.MODELS[name]) == gate.Geometry(n, n // ratio, ratio)
 
 
