@@ -1,7 +1,7 @@
 """GPU benchmark (issue 22): restore TTFT after a restart, every arm side by side on one node:
 cold, default, pagecache, offloading, lmcache056 (bench/README.md). Engines are
 tests/gpu/engine_proc.py processes started by tests/gpu/gate.py; the results (JSON, markdown)
-are rewritten after every measured step, and an existing results file is resumed."""
+are rewritten after every measured step."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import mmap
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -107,35 +106,21 @@ def offloading_transfer_config(root: Path, cpu_bytes: int, engine_id: str) -> di
 def engine_spec(
     m: gate.ModelSpec, p: int, role: str, model_dir: Path, conn: Any = None, cold: str = ""
 ) -> dict[str, Any]:
-    """engine_proc's spec; ``conn``: {"lmcache": port} or {"kv_transfer_config": ...}. store: A
+    """gate.base_spec; ``conn``: {"lmcache": port} or {"kv_transfer_config": ...}. store: A
     (KV hashed), W (short), B, D. restore: warm-up (cold prefill if ``cold``, W), A (KV hashed),
     B, D, each then followed by a cold prefill of a ``cold`` prompt if ``cold``."""
-    n, a, (util, std) = block(m), prompt(p, "A"), ENGINE[m.name]
+    n, a, (util, std), conn = block(m), prompt(p, "A"), ENGINE[m.name], conn or {}
     w = prompt(min(p, WARM_BLOCKS * n + n // 2), "W")
-    spec: dict[str, Any] = {
-        "role": role,
-        "model_dir": str(model_dir),
-        "language_model_only": m.family == "qwen3_5",
-        "tensor_parallel_size": 1,
-        "gpu_memory_utilization": util,
-        "weight_std": std,
-        "max_num_batched_tokens": 2 * n - 1,
-        "max_model_len": p + 4 * n,  # 0.5.3: N <= it < 2N
-        "prompt": a,
-        "prompt_key": gate.prompt_key(a),
-        "attention_backend": "FLASHINFER",
-        "warmup": gate.make_prompt(2 * n + 3, seed=2),
-        "new_tokens": NEW_TOKENS,
-        "top_k": None,
-        "health": gate.make_prompt(3 * n + 17, seed=3),
-        "weight_seed": gate.WEIGHT_SEED,
-        "kv_hashes": role != "cold",
-        "log_stats": True,
-    }
-    if conn and "lmcache" in conn:
-        mp = {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": conn["lmcache"]}
-        spec["lmcache"] = {"module_path": gate.CONNECTOR_MODULE, "extra_config": mp}
-    elif conn:
+    spec = gate.base_spec(m, n, role, model_dir, a, conn.get("lmcache"))
+    spec.update(
+        gpu_memory_utilization=util,
+        weight_std=std,
+        new_tokens=NEW_TOKENS,
+        top_k=None,
+        kv_hashes=role != "cold",
+        log_stats=True,
+    )
+    if "kv_transfer_config" in conn:
         spec["kv_transfer_config"] = conn["kv_transfer_config"]
     if role == "store":
         spec["also_store"] = [w, prompt(p, "B"), prompt(p, "D")]
@@ -146,11 +131,6 @@ def engine_spec(
         pairs = ((2, "B"), (3, "D"))
         spec["timed_pairs"] = [{"restore": prompt(p, t), **colds[i]} for i, t in pairs]
     return spec
-
-
-def median(values: Sequence[float | None]) -> float | None:
-    got = [v for v in values if v is not None]
-    return statistics.median(got) if got else None
 
 
 _TS = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]"
@@ -304,12 +284,12 @@ def fill_restore_row(row: dict[str, Any], m: gate.ModelSpec, store: Any, res: An
         row["restores"].append(got)
     colds = [s["ttft_s"] for k, s in reqs if k == "cold" and s and not s.get("num_cached_tokens")]
     row.update(
-        restore_ttft_s=median([r["ttft_s"] for r in row["restores"] if r["hit_tokens"]]),
-        read_bytes=median([r.get("read_bytes") for r in row["restores"]]),
-        h2d_gbps=median(rates),
+        restore_ttft_s=gate.median([r["ttft_s"] for r in row["restores"] if r["hit_tokens"]]),
+        read_bytes=gate.median([r.get("read_bytes") for r in row["restores"]]),
+        h2d_gbps=gate.median(rates),
         h2d_timed=sum(r is not None for r in rates),
         cold_in_engine_ttfts_s=colds,
-        cold_in_engine_s=median(colds),
+        cold_in_engine_s=gate.median(colds),
         hit_tokens=hits[0],
         required_hit=gate.required_hit(p, n),
     )
@@ -345,15 +325,14 @@ def evaluate_targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         resident = (r.get("page_cache") or {}).get("resident_fraction")
         if arm == "pagecache" and resident is not None and resident < 0.95:
             detail += f"; only {resident:.0%} of the L2 bytes were in the page cache"
-        out.append(
-            {
-                "target": f"{arm}_{kind}_{p // 1024}k",
-                "value": value,
-                "threshold": need,
-                "met": value is not None and value >= need and bool(r.get("correct")),
-                "detail": f"{TARGET_MODEL}, {p} tokens: {detail}",
-            }
-        )
+        target = {
+            "target": f"{arm}_{kind}_{p // 1024}k",
+            "value": value,
+            "threshold": need,
+            "met": value is not None and value >= need and bool(r.get("correct")),
+            "detail": f"{TARGET_MODEL}, {p} tokens: {detail}",
+        }
+        out.append(target)
     return out
 
 
@@ -413,15 +392,13 @@ def markdown_report(results: dict[str, Any]) -> str:
         f"- probed rates (GB/s): {run.get('rates')}",
         "",
         "TTFT s, medians; cold in engine: the restore engine's colds, in turn.",
-        "",
-        f"| {HEADER} |",
-        "|" + "---|" * (HEADER.count("|") + 1),
     ]
+    rows = []
     for r in sorted(results["rows"].values(), key=sort_key):
         b, pc, gb = r.get("disk_bound") or {}, r.get("page_cache") or {}, r.get("read_bytes")
         cache = {True: "dropped", False: "kept"}.get(pc.get("dropped"), "-")
         cache += f" ({_f(pc.get('resident_fraction'), 2)} resident)" if pc else ""
-        cells = [
+        row = [
             r["model"],
             r["prompt_tokens"],
             r["arm"],
@@ -439,8 +416,8 @@ def markdown_report(results: dict[str, Any]) -> str:
             r.get("tokens_match"),
             "; ".join(r.get("errors") or [])[:200],
         ]
-        lines.append("| " + " | ".join(_f(c) for c in cells) + " |")
-    lines += ["", "## Targets", ""] + [
+        rows.append(row)
+    lines += ["", *gate.md_table(HEADER.split(" | "), rows), "", "## Targets", ""] + [
         f"- {t['target']}: {_f(t['value'])} vs >= {t['threshold']}: "
         f"{'met' if t['met'] else 'MISSED'} ({t['detail']})"
         for t in results.get("targets") or []
@@ -452,33 +429,27 @@ def markdown_report(results: dict[str, Any]) -> str:
     return "\n".join(lines + ["", "## Findings", "", *(found or ["- none"])]) + "\n"
 
 
-def load_results(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        data = {}
-    new = {"schema": SCHEMA, "created": _dt.date.today().isoformat(), "runs": [], "rows": {}}
-    return data if data.get("schema") == SCHEMA else new
+def new_results() -> dict[str, Any]:
+    return {"schema": SCHEMA, "created": _dt.date.today().isoformat(), "runs": [], "rows": {}}
 
 
 def write_results(results: dict[str, Any], path: Path) -> None:
     """<stem>.json, <stem>.md and, where matplotlib imports, <stem>-ttft.png."""
     summarize(results)
     path.parent.mkdir(parents=True, exist_ok=True)
-    gate.atomic_write(path, json.dumps(results, indent=1, default=str) + "\n")
-    gate.atomic_write(path.with_suffix(".md"), markdown_report(results))
+    gate.write_json_md(path.with_suffix(""), results, markdown_report(results))
     plot_ttft(results, path)
 
 
-def plot_ttft(results: dict[str, Any], path: Path) -> Path | None:
-    """<stem>-ttft.png: TTFT per model and arm against prompt length (None: no matplotlib)."""
+def plot_ttft(results: dict[str, Any], path: Path) -> None:
+    """<stem>-ttft.png: TTFT per model and arm against prompt length, where matplotlib imports."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return None
+        return
     fig, ax = plt.subplots(figsize=(8, 5))
     for model, arm in sorted({(r["model"], r["arm"]) for r in results["rows"].values()}):
         key, label = "cold_ttft_s" if arm == "cold" else "restore_ttft_s", f"{model} {arm}"
@@ -491,9 +462,8 @@ def plot_ttft(results: dict[str, Any], path: Path) -> Path | None:
             ax.plot(*zip(*pts, strict=True), "o-" if model == TARGET_MODEL else "s:", label=label)
     ax.set(xscale="log", yscale="log", xlabel="prompt (k tokens)", ylabel="TTFT (s)")
     ax.legend(fontsize=7)
-    fig.savefig(out := path.with_name(f"{path.stem}-ttft.png"), dpi=120, bbox_inches="tight")
+    fig.savefig(path.with_name(f"{path.stem}-ttft.png"), dpi=120, bbox_inches="tight")
     plt.close(fig)
-    return out
 
 
 _PINNED_PROBE = r"""
@@ -515,7 +485,7 @@ def pinned_probe(py: str) -> dict[str, Any]:
     for line in cp.stdout.splitlines():
         if line.startswith("BENCH-PINNED "):
             d = json.loads(line.split(" ", 1)[1])
-            return {**d, "h2d_gbps": d["bytes"] / statistics.median(d["h2d_s"]) / GB}
+            return {**d, "h2d_gbps": d["bytes"] / gate.median(d["h2d_s"]) / GB}
     return {"error": (cp.stderr or cp.stdout)[-1500:]}
 
 
@@ -566,10 +536,6 @@ class Bench:
 
     def save(self) -> None:
         write_results(self.results, self.a.results)
-
-    def done(self, m: gate.ModelSpec, p: int, arm: str) -> bool:
-        r = self.results["rows"].get(row_key(m.name, p, arm))
-        return bool(r and r.get("ok")) and not self.a.redo
 
     def row(self, m: gate.ModelSpec, p: int, arm: str) -> dict[str, Any]:
         r = {
@@ -625,7 +591,7 @@ class Bench:
             for p, pair in zip(lengths, res.get("timed_pairs") or [], strict=False):
                 colds = [pair[f"c{i}"] for i in range(1, RESTORES + 1)]
                 ttfts = [c["ttft_s"] for c in colds if not c.get("num_cached_tokens")]
-                rows[p].update(cold_ttfts_s=ttfts, cold_ttft_s=median(ttfts))
+                rows[p].update(cold_ttfts_s=ttfts, cold_ttft_s=gate.median(ttfts))
         except StepError as e:
             for r in rows.values():
                 r["errors"].append(str(e))
@@ -647,18 +613,8 @@ class Bench:
             if offload:
                 return {"kv_transfer_config": offloading_transfer_config(tier, cpu, eid)}
             port, l1 = gate.free_port(), max(4, math.ceil(2.5 * pb / GB) + 2)
-            procs.append(
-                gate.start_server(
-                    self.py,
-                    env,
-                    port,
-                    block(m),
-                    tier,
-                    log,
-                    l1_size_gb=l1,
-                    extra_args=SERVER_STATS_ARGS,
-                )
-            )
+            args = (self.py, env, port, block(m), tier, log)
+            procs.append(gate.start_server(*args, l1_size_gb=l1, extra_args=SERVER_STATS_ARGS))
             return {"lmcache": port}
 
         try:
@@ -679,11 +635,9 @@ class Bench:
                 tail = str(store.get("error"))[-1500:]
                 raise StepError(f"store engine (idle: {store.get('idle')}): {tail}")
             files = sorted(tier.rglob("*.bin" if offload else "*.data"))
-            inv = (
-                gate.l2_inventory(tier)
-                if not offload
-                else {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
-            )
+            inv = {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+            if not offload:
+                inv = gate.l2_inventory(tier)
             for arm, eid in zip(arms, ids[1:], strict=True):
                 if arm != "pagecache":
                     fs_l2_read.drop_cache(files)
@@ -717,7 +671,7 @@ class Bench:
 
 
 def run(a: argparse.Namespace) -> int | str:
-    results, arms = load_results(a.results), a.arms.split(",")
+    results, arms = new_results(), a.arms.split(",")
     cases: dict[str, set[int]] = {}
     for model, _, length in (c.strip().partition(":") for c in a.cases.split(",") if c.strip()):
         cases.setdefault(model, set()).add(LENGTHS.get(length) or int(length))
@@ -736,10 +690,8 @@ def run(a: argparse.Namespace) -> int | str:
         "dev_shm_gb": os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free / GB,
     }
     results["runs"].append(info)
-    if (problem := gate.arm_problem("patched", envinfo["versions"], a.lmcache_dir)) and {
-        "default",
-        "pagecache",
-    } & set(arms):
+    problem = gate.arm_problem("patched", envinfo["versions"], a.lmcache_dir)
+    if problem and {"default", "pagecache"} & set(arms):
         info["error"] = problem
         bench.save()
         return f"bench: {problem}"
@@ -753,15 +705,15 @@ def run(a: argparse.Namespace) -> int | str:
     }
     bench.save()
     for m, lengths in ((MODELS[k], sorted(v)) for k, v in cases.items()):
-        if "cold" in arms and not all(bench.done(m, p, "cold") for p in lengths):
-            bench.cold_phase(m, [p for p in lengths if not bench.done(m, p, "cold")])
+        if "cold" in arms:
+            bench.cold_phase(m, lengths)
         for p in lengths:  # pagecache and default share a store, pagecache first
             for group, lmc in (
                 (("pagecache", "default"), a.lmcache_dir),
                 (("offloading",), None),
                 (("lmcache056",), a.l056_dir),
             ):
-                if todo := [x for x in group if x in arms and not bench.done(m, p, x)]:
+                if todo := [x for x in group if x in arms]:
                     bench.restore_phase(m, p, todo, lmc)
     print(markdown_report(results))
     return 0
@@ -776,7 +728,6 @@ def main(argv: Sequence[str] | None = None) -> int | str:
     ap.add_argument("--results", type=Path, default=REPO / "results" / "bench-gpu.json")
     ap.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-bench"), help="L2 tiers, logs")
     ap.add_argument("--time-limit-s", type=float, default=0, help="end the run after this many s")
-    ap.add_argument("--redo", action="store_true", help="rerun rows the results hold as passed")
     ap.add_argument("--engine-timeout", type=float, default=900.0)
     a = ap.parse_args(argv)
     a.lmcache_dir = a.lmcache_dir.resolve()

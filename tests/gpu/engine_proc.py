@@ -36,13 +36,7 @@ def _runner(self: Any) -> Any:
 
 
 def _rank(self: Any) -> int:
-    worker = getattr(self, "worker", None) or self
-    r = getattr(worker, "rank", None)
-    if r is None:
-        import torch.distributed as dist
-
-        r = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return int(r)
+    return int((getattr(self, "worker", None) or self).rank)  # vLLM's WorkerBase sets it
 
 
 def _rpc_init_weights(self: Any, seed: int, std: float) -> dict[str, Any]:
@@ -188,8 +182,7 @@ def _wait_l2(
     tier: str, min_objects: int, timeout: float = 90.0, server_log: str | None = None
 ) -> dict[str, Any]:
     """Stores are asynchronous: keep this process (and its GPU KV, which the server reads
-    through CUDA IPC) alive until the chunks reached the server's L2 tier, or until the
-    tier is quiet and the server logged failed stores (the rest will never come)."""
+    through CUDA IPC) alive until the chunks reached the L2 tier (``gate.wait_l2_stable``)."""
     t0 = time.monotonic()
     log = Path(server_log) if server_log else None
     res = gate.wait_l2_stable(tier, min_objects, timeout=timeout, server_log=log)
@@ -229,10 +222,11 @@ def _output(o: Any) -> dict[str, Any]:
 
 
 def _generate_timed(
-    llm: Any, prompt: list[int], params: Any, steps: list | None = None, prefill: dict | None = None
-) -> tuple[Any, float, float]:
-    """One request through LLMEngine's step loop: (final output, TTFT s, total s). ``steps`` gets
-    each step's start and duration; ``prefill`` the request's local and external cached tokens."""
+    llm: Any, prompt: list[int], params: Any, steps: list | None = None
+) -> tuple[Any, dict[str, Any]]:
+    """One request through LLMEngine's step loop: its final output and its TTFT, request time,
+    prompt tokens from a cache (all; vLLM's own, local; the connector's, external) and probes
+    before and after. ``steps`` gets each step's start and duration."""
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
@@ -254,24 +248,18 @@ def _generate_timed(
                 ttft = time.perf_counter() - t0
             if o.finished:
                 total = time.perf_counter() - t0
-                if prefill is not None and TAP is not None:
-                    local, external = TAP.stats.pop(internal or rid, (None, None))
-                    prefill.update(local_cached_tokens=local, external_cached_tokens=external)
-                if prefill is not None:
-                    prefill["probe"] = [probe, _request_probe()]
-                return o, (total if ttft is None else ttft), total
-
-
-def _timed_summary(llm: Any, prompt: list[int], params: Any) -> dict[str, Any]:
-    """TTFT, request time and prompt tokens served from a cache of one timed request."""
-    split: dict[str, Any] = {}
-    out, ttft, total = _generate_timed(llm, prompt, params, prefill=split)
-    cached = getattr(out, "num_cached_tokens", None)
-    return {"ttft_s": ttft, "gen_s": total, "num_cached_tokens": cached, **split}
+                split = TAP.stats.pop(internal or rid, (None, None)) if TAP else (None, None)
+                return o, {
+                    "ttft_s": total if ttft is None else ttft,
+                    "gen_s": total,
+                    "num_cached_tokens": getattr(o, "num_cached_tokens", None),
+                    "local_cached_tokens": split[0],
+                    "external_cached_tokens": split[1],
+                    "probe": [probe, _request_probe()],
+                }
 
 
 def _scheduler_connector(llm: Any) -> Any:
-    """The scheduler-side KV connector of the in-process engine core, None without one."""
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
     return getattr(getattr(core, "scheduler", None), "connector", None)
 
@@ -345,7 +333,7 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
         # Qwen3.5's GDN prefill defaults to FlashInfer on SM90, whose kernel needs the CuTe
         # DSL package our node lacks ("SM90 GDN prefill DSL kernel is unavailable"). The
         # Triton/FLA kernel computes the same recurrence; the KV cache layout is unchanged.
-        "gdn_prefill_backend": spec.get("gdn_prefill_backend", "triton"),
+        "gdn_prefill_backend": "triton",
     }
     if spec.get("kv_cache_memory_bytes"):
         kw["kv_cache_memory_bytes"] = int(spec["kv_cache_memory_bytes"])
@@ -353,10 +341,9 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
         kw["language_model_only"] = True
     if spec.get("log_stats"):  # RequestOutput.metrics (TTFT) for bench/gpu_restore.py
         kw["disable_log_stats"] = False
-    lmc = spec.get("lmcache")
     if spec.get("kv_transfer_config"):  # another connector (the bench's OffloadingConnector arm)
         kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
-    elif lmc:
+    elif lmc := spec.get("lmcache"):
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LMCacheMPConnector",
             kv_connector_module_path=lmc["module_path"],
@@ -437,20 +424,16 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     greedy = _sampling(spec["new_tokens"], spec["top_k"])
     _generate(llm, spec["warmup"], _sampling(2))
     for name, tokens in (spec.get("warm_first") or {}).items():
-        result.setdefault("warm_first", {})[name] = _timed_summary(llm, tokens, greedy)
+        result.setdefault("warm_first", {})[name] = _generate_timed(llm, tokens, greedy)[1]
 
     lookups: list[dict[str, Any]] = []
     steps: list[dict[str, float]] = []
     timed_lookups = spec["role"] == "restore" and _time_lookups(llm, lookups)
     e0, t0 = time.time(), time.perf_counter()
-    split: dict[str, Any] = {}
-    out, result["ttft_s"], result["gen_s"] = _generate_timed(
-        llm, spec["prompt"], greedy, steps, split
-    )
-    result["request_epoch"] = [e0, time.time()]
+    out, timed = _generate_timed(llm, spec["prompt"], greedy, steps)
+    result.update(timed, request_epoch=[e0, time.time()], **_output(out))
     if timed_lookups:
         result["timeline"] = restore_timeline(t0, result["ttft_s"], lookups, steps)
-    result.update(**split, **_output(out))
     print(f"[gate] {spec['role']} ttft_s={result['ttft_s']:.3f} cached={out.num_cached_tokens}")
 
     hashes = [{"block_size": result["cache_block_size"]}]  # kv_hashes false: timing runs
@@ -468,21 +451,18 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     if spec.get("turn2_question"):
         # vLLM's own prefix cache serves turn 1's prompt and answer to turn 2.
         p2 = [*spec["prompt"], *result["tokens"], *spec["turn2_question"]]
-        turn2 = greedy.clone()
-        turn2.max_tokens = int(spec["turn2_new_tokens"])
-        split2: dict[str, Any] = {}
-        out2, ttft2, _ = _generate_timed(llm, p2, turn2, prefill=split2)
-        result["turn2"] = {"prompt_tokens": len(p2), "ttft_s": ttft2, **_output(out2), **split2}
+        out2, timed2 = _generate_timed(llm, p2, _sampling(spec["turn2_new_tokens"], spec["top_k"]))
+        result["turn2"] = {"prompt_tokens": len(p2), **timed2, **_output(out2)}
         args = (gate.prompt_key(p2), len(p2))
         result["turn2"]["kv_hashes"] = llm.collective_rpc(_rpc_kv_hashes, args=args)
 
     if spec.get("cold_reference"):
         # The same prefill with nothing to restore, in this engine and under this load,
         # timed after the measured request (which so pays any first-use costs).
-        result["cold_reference"] = _timed_summary(llm, spec["cold_reference"], greedy)
+        result["cold_reference"] = _generate_timed(llm, spec["cold_reference"], greedy)[1]
     for pair in spec.get("timed_pairs") or []:
         # (d)'s repeats: a restore of another stored prompt, then a cold prefill, in turn.
-        timed = {name: _timed_summary(llm, tokens, greedy) for name, tokens in pair.items()}
+        timed = {name: _generate_timed(llm, tokens, greedy)[1] for name, tokens in pair.items()}
         result.setdefault("timed_pairs", []).append(timed)
 
     for tokens in spec.get("also_store") or []:
@@ -543,8 +523,7 @@ def run_load(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     print(f"[gate] load {result['load']}")
     if spec.get("l2"):
         # Keep the KV (read by the server through CUDA IPC) alive until the stores landed.
-        wait = float(spec.get("l2_quiet_timeout", 15.0))
-        result["l2_wait"] = _wait_l2(spec["l2"], 0, timeout=wait, server_log=spec.get("server_log"))
+        result["l2_wait"] = _wait_l2(spec["l2"], 0, timeout=15.0, server_log=spec.get("server_log"))
     return llm
 
 

@@ -382,7 +382,7 @@ def run_fault(fc: FaultConfig, cold_runs: gate.ColdRuns) -> dict[str, Any]:
             )
             gate.kill_group(srv2)
             text = (wd / "server2.log").read_text(errors="replace")
-            rec["server2"] = {**gate.server_log_facts(text), "l2_discards": gate.l2_discards(text)}
+            rec["server2"] = gate.server_log_facts(text)
     except (gate.ServerError, OSError) as e:
         rec["server_error"] = str(e)[-3000:]
     finally:
@@ -453,14 +453,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"schema": SCHEMA, **header, "config": config}
     if problem:
         report["error"] = problem
-        Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        gate.write_json_md(stem, report, markdown_report(report))
         print(f"fault: {problem}", file=sys.stderr)
         return 2
     gate.install_cleanup_handler()
     report.update(run_fault(fc, gate.ColdRuns()))
-    Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    Path(f"{stem}.md").write_text(markdown_report(report))
-    print(Path(f"{stem}.md").read_text())
+    gate.write_json_md(stem, report, markdown_report(report))
+    print(markdown_report(report))
     return 0 if report["eval"]["pass"] else 1
 
 

@@ -130,9 +130,6 @@ MODELS: dict[str, ModelSpec] = {
     "qwen35-r17": ModelSpec("qwen35-r17", "qwen3_5", 2, 256, 4, 16, 16, 128, 128, "float32"),
     "qwen35-r25": ModelSpec("qwen35-r25", "qwen3_5", 2, 256, 4, 48, 48, 128, 128, "float32"),
 }
-EXPECTED: dict[int, Geometry] = {
-    r: Geometry(n, n // r, r) for n, r in ((80, 5), (544, 17), (1600, 25))
-}
 
 
 def attn_bytes_per_token(m: ModelSpec, tp: int = 1) -> int:
@@ -150,14 +147,13 @@ def mamba_page_bytes(m: ModelSpec, tp: int = 1, spec_tokens: int = 0) -> int:
     return conv + ssm * DTYPE_BYTES[m.ssm_dtype]
 
 
-def select_kernel_page(block_size: int, sizes: Sequence[int] = FLASHINFER_KERNEL_SIZES) -> int:
-    """select_common_block_size for one backend that advertises only int sizes."""
-    if block_size in sizes:
-        return block_size
-    for s in sorted(sizes, reverse=True):
+def select_kernel_page(block_size: int) -> int:
+    """select_common_block_size for one backend that advertises only int sizes: the largest
+    that divides the block."""
+    for s in sorted(FLASHINFER_KERNEL_SIZES, reverse=True):
         if block_size % s == 0:
             return s
-    raise ValueError(f"no kernel block size in {list(sizes)} divides {block_size}")
+    raise ValueError(f"no kernel block size in {FLASHINFER_KERNEL_SIZES} divides {block_size}")
 
 
 def expected_geometry(m: ModelSpec, tp: int = 1, spec_tokens: int = 0) -> Geometry:
@@ -167,7 +163,6 @@ def expected_geometry(m: ModelSpec, tp: int = 1, spec_tokens: int = 0) -> Geomet
     align = max(min(FLASHINFER_KERNEL_SIZES), DEFAULT_BLOCK_SIZE)
     page_bytes = mamba_page_bytes(m, tp, spec_tokens)
     n = align * math.ceil(page_bytes / (align * attn_bytes_per_token(m, tp)))
-    n = max(n, DEFAULT_BLOCK_SIZE)
     page = select_kernel_page(n)
     return Geometry(n, page, n // page)
 
@@ -265,9 +260,7 @@ def prompt_length(block: int, chunk: int, exact: bool, min_tokens: int = MIN_PRO
     m = max(2, math.ceil(min_tokens / chunk))
     if exact:
         return max(m, EXACT_MIN_CHUNKS) * chunk
-    r = block // 2 + 7
-    if r % block == 0:
-        r += 1
+    r = block // 2 + 7  # inside the block for every N (N >= 16)
     m = max(m, math.ceil(r * HIT_FRACTION / ((1 - HIT_FRACTION) * chunk)))
     while (m * chunk) < HIT_FRACTION * (m * chunk + r):
         m += 1
@@ -287,14 +280,9 @@ def required_hit(prompt_tokens: int, chunk: int, promisable: int | None = None) 
     return min(math.ceil(HIT_FRACTION * prompt_tokens), promisable)
 
 
-def _median(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _ttft(engine: dict[str, Any]) -> float | None:
-    """Time to the first token (engine_proc's ttft_s); whole-request time from older runs."""
-    v = engine.get("ttft_s")
-    return engine.get("gen_s") if v is None else v
+def median(values: Iterable[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
 
 
 def _timed_ttft(timed: dict[str, Any] | None, restored: bool) -> float | None:
@@ -310,7 +298,7 @@ def d_timings(restore: dict[str, Any]) -> tuple[list[float], list[float], list[s
     """The restore engine's TTFTs that (d) compares: every timed restore of a stored prompt
     (the measured one, then ``timed_pairs``) and every cold prefill of an unstored one (the
     cold reference, then the pairs'); plus problems (a repeat that missed or hit a cache)."""
-    restores = [t] if (t := _ttft(restore)) is not None else []
+    restores = [t] if (t := restore.get("ttft_s")) is not None else []
     colds = [t] if (t := _timed_ttft(restore.get("cold_reference"), False)) is not None else []
     problems = []
     for i, pair in enumerate(restore.get("timed_pairs") or [], 1):
@@ -448,9 +436,8 @@ def quick_matrix(tp: int = 1) -> list[Case]:
 
 
 def deploy_matrix(tp: int = 1) -> list[Case]:
-    """Where Qwen3.5/3.6 deployments go beyond the core matrix: chunk 3N and 4N,
-    max_num_batched_tokens = N, and the FlashAttention backend (H100/H200's default)
-    for both families and both layouts."""
+    """Where Qwen3.5/3.6 deployments go beyond the core matrix: chunk 3N and 4N, batches of N,
+    and the FlashAttention backend (H100/H200's default), both families and layouts."""
     fa = "FLASH_ATTN"
     return [
         Case("olmo-r5", "NHD", 3, False, tp),
@@ -503,13 +490,10 @@ CASE_SETS += (turn2_matrix, l2_matrix)
 
 
 def named_cases(tp: int = 1) -> list[Case]:
-    """Every case a selector can name."""
     return [c for f in CASE_SETS[3:] for c in f(tp)]
 
 
 def select_cases(selector: str, tp: int = 1) -> list[Case]:
-    """Comma-separated: quick | core | all | full | deploy | mtp | turn2 | l2, case ids, or
-    regexes over case ids."""
     named = {f.__name__.removesuffix("_matrix"): f for f in CASE_SETS}
     pool = named_cases(tp)
     out: list[Case] = []
@@ -568,8 +552,7 @@ def compare_kv_hashes(
                 res["fa_blocks"] += 1
                 if got.get(j) != h:
                     res["fa_bad"] += 1
-                    if len(res["mismatches"]) < 8:
-                        res["mismatches"].append(f"rank{rank} fa {layer} block {j}")
+                    res["mismatches"].append(f"rank{rank} fa {layer} block {j}")
         for layer, blocks in sorted(s.get("gdn", {}).items()):
             got = r.get("gdn", {}).get(layer, {})
             for j in sorted(set(blocks) & set(got), key=int):
@@ -578,24 +561,20 @@ def compare_kv_hashes(
                     res["gdn_hit_block_checked"] = True
                 if got[j] != blocks[j]:
                     res["gdn_bad"] += 1
-                    if len(res["mismatches"]) < 8:
-                        res["mismatches"].append(f"rank{rank} gdn {layer} block {j}")
+                    res["mismatches"].append(f"rank{rank} gdn {layer} block {j}")
     if res["fa_blocks"] == 0:
         res["problems"].append("no FA blocks hashed")
     if not res["gdn_hit_block_checked"]:
         res["problems"].append("restored GDN checkpoint (block hit/N-1) not comparable")
     res["match"] = not res["problems"] and res["fa_bad"] == 0 and res["gdn_bad"] == 0
-    return res
+    return {**res, "mismatches": res["mismatches"][:8]}
 
 
 def connector_hit(result: dict[str, Any]) -> tuple[int, int]:
     """(external, local) prompt tokens of an engine's measured request: the KV connector's
-    hit and vLLM's own prefix cache's. Results without the split (before 2026-12-01)
-    report their sum, num_cached_tokens, as the external hit."""
-    ext = result.get("external_cached_tokens")
-    if ext is None:
-        return int(result.get("num_cached_tokens") or 0), 0
-    return int(ext), int(result.get("local_cached_tokens") or 0)
+    hit and vLLM's own prefix cache's."""
+    ext, local = (result.get(f"{k}_cached_tokens") for k in ("external", "local"))
+    return int(ext or 0), int(local or 0)
 
 
 def evaluate_case(
@@ -654,10 +633,10 @@ def evaluate_case(
         hit_tokens=hit,
         hit_pct=round(100.0 * hit / p, 2),
         required_hit=required_hit(p, case.chunk, promisable=case.promisable_hit),
-        restore_s=_median(restore_runs),
+        restore_s=median(restore_runs),
         restore_runs_s=restore_runs,
-        cold_s=_ttft(cold),
-        cold_same_engine_s=_median(cold_runs),
+        cold_s=cold.get("ttft_s"),
+        cold_same_engine_s=median(cold_runs),
         cold_same_engine_runs_s=cold_runs,
         first_restore_s=_timed_ttft((restore.get("warm_first") or {}).get("restore"), True),
         kv=kv,
@@ -747,7 +726,6 @@ TABLE_COLUMNS += ("tokens match", "logprobs match", "pass")
 
 
 def fmt(v: Any, digits: int = 3) -> str:
-    """A value in a results table: - for none, yes/NO, floats to ``digits`` digits."""
     if v is None:
         return "-"
     if isinstance(v, bool):
@@ -755,6 +733,16 @@ def fmt(v: Any, digits: int = 3) -> str:
     if isinstance(v, float):
         return f"{v:.{digits}g}"
     return str(v)
+
+
+def md_table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return lines + ["| " + " | ".join(map(fmt, row)) + " |" for row in rows]
+
+
+def write_json_md(stem: Path | str, report: dict[str, Any], markdown: str) -> None:
+    atomic_write(Path(f"{stem}.json"), json.dumps(report, indent=1, default=str) + "\n")
+    atomic_write(Path(f"{stem}.md"), markdown)
 
 
 def table_row(arm: str, rec: dict[str, Any]) -> list[str]:
@@ -787,26 +775,22 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"- extra server args: {report.get('server_args') or 'none'}",
         f"- cases run: {len(report['cases'])}",
         "",
-        "| " + " | ".join(TABLE_COLUMNS) + " |",
-        "|" + "---|" * len(TABLE_COLUMNS),
+        *md_table(TABLE_COLUMNS, (table_row(report["arm"], rec) for rec in report["cases"])),
     ]
-    for rec in report["cases"]:
-        lines.append("| " + " | ".join(table_row(report["arm"], rec)) + " |")
     errs = [(r["case"], r.get("eval", {}).get("errors")) for r in report["cases"]]
     errs = [f"- {c}: {'; '.join(e)[:600]}" for c, e in errs if e]
     return "\n".join(lines + (["", "## Errors", "", *errs] if errs else [])) + "\n"
 
 
 def expected_separate_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
-    """Bytes of one chunk with --separate-object-groups (patch 0013): the FA object of the
-    whole chunk plus a GDN object holding the chunk's last block only."""
+    """Bytes of one patched chunk (from revision 10; before, with --separate-object-groups):
+    the FA object of the whole chunk plus a GDN object holding the chunk's last block only."""
     n, fa_layers = expected_geometry(m, tp).block_size, m.num_hidden_layers // 4  # 3:1 hybrid
     blocks = fa_layers * (chunk // n) + m.num_hidden_layers - fa_layers
     return blocks * n * attn_bytes_per_token(m, tp)
 
 
 def object_group_means(inventory: dict[str, Any]) -> dict[str, float]:
-    """Mean object size per object group of an ``l2_inventory``."""
     groups = inventory.get("per_object_group") or {}
     return {og: g["bytes"] / g["objects"] for og, g in groups.items() if g.get("objects")}
 
@@ -826,36 +810,31 @@ def expected_pristine_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
     return expected_chunk_bytes(m, chunk, tp) - fa_bytes * (r - 1) // r
 
 
-def chunk_bytes_table(
-    runs: dict[tuple[str, str], list[dict[str, Any]]], separate: bool = False
-) -> list[str]:
+def chunk_bytes_table(runs: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
     """Bytes of one L2 chunk per model and chunk, measured (the first run that stored
-    any) against expected, patched and pristine; ``separate``: the patched reports ran
-    with --separate-object-groups (a chunk is an FA object and a one-block GDN object)."""
+    any) against expected, patched and pristine."""
     seen: dict[tuple[str, int], dict[str, float]] = {}
     for (arm, _), recs in sorted(runs.items()):
         rec = recs[0]
         if per := chunk_bytes_of(rec.get("l2_after_store") or {}) or rec.get("l2_bytes_per_object"):
             seen.setdefault((rec["model"], rec["chunk"]), {}).setdefault(arm, per)
-    expected = expected_separate_chunk_bytes if separate else expected_chunk_bytes
-    patched_head = "patched L2 objects (FA + GDN)" if separate else "patched L2 object"
-    head = f"| model | N/page/r | chunk | patched expected | {patched_head} | pristine expected "
-    lines = [head + "| pristine L2 object | pristine / patched |", "|" + "---|" * 8]
+    head = ("model", "N/page/r", "chunk", "patched expected", "patched L2 objects (FA + GDN)")
+    head += ("pristine expected", "pristine L2 object", "pristine / patched")
+    rows = []
     for (model, chunk), arms in sorted(seen.items()):
         m, g = MODELS[model], expected_geometry(MODELS[model])
         patched, pristine = arms.get("patched"), arms.get("pristine")
         ratio = fmt(pristine / patched) if patched and pristine else "-"
         cells = [model, f"{g.block_size}/{g.kernel_page}/{g.ratio}", str(chunk)]
-        cells += [f"{expected(m, chunk):,}", f"{patched:,.0f}" if patched else "-"]
+        cells += [f"{expected_separate_chunk_bytes(m, chunk):,}"]
+        cells += [f"{patched:,.0f}" if patched else "-"]
         cells += [f"{expected_pristine_chunk_bytes(m, chunk):,}"]
-        cells += [f"{pristine:,.0f}" if pristine else "-", ratio]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append([*cells, f"{pristine:,.0f}" if pristine else "-", ratio])
+    return md_table(head, rows)
 
 
 def run_errors(rec: dict[str, Any]) -> list[str]:
-    """Errors of a case's run outside its engines: failed stores, an L2 folder that never
-    settled after the store, a server that did not start."""
+    """Errors of a case's run outside its engines (stores, the L2 tier, the servers)."""
     errors = []
     failed = (rec.get("server1") or {}).get("store_failures")
     if failed:
@@ -874,7 +853,6 @@ def run_errors(rec: dict[str, Any]) -> list[str]:
 
 
 def add_errors(ev: dict[str, Any], errors: Sequence[str]) -> dict[str, Any]:
-    """Add run errors to a case's evaluation: a case with any error does not pass."""
     ev["errors"] = [*ev.get("errors", []), *errors]
     ev["pass"] = bool(ev.get("pass")) and not ev["errors"]
     return ev
@@ -914,21 +892,8 @@ def restored_blocks(ev: dict[str, Any]) -> str:
     return f"FA {fa - kv.get('fa_bad', 0)}/{fa}, GDN {gdn - kv.get('gdn_bad', 0)}/{gdn}"
 
 
-def hybridfa_revision(report: dict[str, Any]) -> int:
-    """The hybrid-FA revision a report ran (0: pristine or unknown)."""
-    version = str((report.get("versions") or {}).get("hybridfa_version") or "")
-    tail = version.rpartition("+hybridfa.")[2]
-    return int(tail) if tail.isdigit() else 0
-
-
 def _times(ev: dict[str, Any]) -> str:
     return f"{fmt(ev.get('restore_s'))} / {fmt(ev.get('cold_same_engine_s'))}"
-
-
-SPLIT_NOTE = (
-    " A patched chunk is two objects, each with a trailer: FA for the whole chunk, GDN for its"
-    " last block."
-)
 
 
 def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
@@ -940,9 +905,6 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
         raise ValueError(
             f"patched reports ran with different server args {sorted(patched_args)}: {why}"
         )
-    # From revision 10 every hybrid chunk is an FA object plus a one-block GDN object.
-    split = "--separate-object-groups" in next(iter(patched_args), ())
-    split |= any(hybridfa_revision(r) >= 10 for r in reports if r["arm"] == "patched")
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rep in reports:
         for rec in rep.get("cases", []):
@@ -969,10 +931,10 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
     head += ("patched", "pristine: hit %, blocks equal", "pristine")
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     tally = {arm: {"ran": 0, "pass": 0, "a": 0} for arm in ("patched", "pristine")}
-    beyond = named_cases(tp)[len(full_matrix(tp)) :]
+    full = full_matrix(tp)
     ran = {case for arm, case in runs if arm in ("patched", "pristine")}
-    ran_deployment = [c for c in beyond if c.case_id in ran]
-    for case in full_matrix(tp) + ran_deployment:
+    cases = full + [c for c in named_cases(tp)[len(full) :] if c.case_id in ran]
+    for case in cases:
         cid, g = case.case_id, case.geometry
         row = [cid, f"{g.block_size}/{g.kernel_page}/{g.ratio}", case.layout]
         row += [str(case.chunk), str(case.prompt_tokens)]
@@ -992,8 +954,7 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
             else:
                 row += [seen, verdict(ev) + later(arm, cid)]
         lines.append("| " + " | ".join(row) + " |")
-    n = len(full_matrix(tp)) + len(ran_deployment)
-    p, q = tally["patched"], tally["pristine"]
+    n, p, q = len(cases), tally["patched"], tally["pristine"]
     lines += [
         "",
         f"- patched: {p['ran']} of {n} ran; {p['pass']} pass a-e on their first run; "
@@ -1003,9 +964,10 @@ def matrix_report(reports: Sequence[dict[str, Any]], tp: int = 1) -> str:
         "## Bytes per L2 chunk object",
         "",
         "Patched objects carry patch 0006's 40-byte trailer; pristine moves 1 FA kernel page "
-        "of r per block (HND pristine cases store nothing)." + (SPLIT_NOTE if split else ""),
+        "of r per block (HND pristine cases store nothing). A patched chunk is two objects, "
+        "each with a trailer: FA for the whole chunk, GDN for its last block.",
         "",
-        *chunk_bytes_table(runs, separate=split),
+        *chunk_bytes_table(runs),
     ]
     return "\n".join(lines) + "\n"
 
@@ -1114,9 +1076,8 @@ def start_server(
     cmd += ["--l1-size-gb", f"{l1_size_gb:g}", "--eviction-policy", "LRU", "--port", str(port)]
     cmd += ["--http-port", str(free_port()), "--l2-adapter", json.dumps(adapter)]
     cmd += [*extra_args, *extra_server_args()]
-    fh = open(log, "w")  # noqa: SIM115 - handed to the child
-    proc = spawn(cmd, fh, env)
-    fh.close()
+    with open(log, "w") as fh:
+        proc = spawn(cmd, fh, env)
     ready = re.compile(r"running|started|listening|ready", re.I)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -1180,6 +1141,8 @@ def engine_log_facts(text: str) -> dict[str, Any]:
 STORE_FAILED = "Cannot store keys due to exception"
 # Patch 0021's registration error: a hybrid layout on a server with an fs_native tier.
 REFUSAL = "publishes objects without an integrity check"
+# The fs adapter found an object damaged (short read, bad trailer) and removed it.
+L2_DISCARD = re.compile(r"is not an intact \d+-byte object|Incomplete (?:O_DIRECT )?read for")
 
 
 def server_log_facts(text: str) -> dict[str, Any]:
@@ -1189,22 +1152,8 @@ def server_log_facts(text: str) -> dict[str, Any]:
         "errors": len(re.findall(r"\bERROR\b|Traceback", text)),
         "store_failures": text.count(STORE_FAILED),
         "refusals": text.count(REFUSAL),
+        "l2_discards": len(L2_DISCARD.findall(text)),
     }
-
-
-L2_DISCARD = re.compile(r"is not an intact \d+-byte object|Incomplete (?:O_DIRECT )?read for")
-
-
-def l2_discards(server_log_text: str) -> int:
-    """Objects the fs adapter found damaged (short read, bad trailer) and removed."""
-    return len(L2_DISCARD.findall(server_log_text))
-
-
-def store_failures(server_log: Path | None) -> int:
-    try:
-        return Path(server_log).read_text(errors="replace").count(STORE_FAILED) if server_log else 0
-    except OSError:
-        return 0
 
 
 def wait_l2_stable(
@@ -1218,8 +1167,7 @@ def wait_l2_stable(
     for ``quiet`` s; give up early once it is quiet and ``server_log`` shows failed stores
     (pristine 0.5.3 under HND fails every store): the missing objects will never come."""
     deadline = time.monotonic() + timeout
-    last = tier_inventory(tier)
-    since = time.monotonic()
+    last, since = tier_inventory(tier), time.monotonic()
     while time.monotonic() < deadline:
         time.sleep(0.5)
         inv = tier_inventory(tier)
@@ -1228,8 +1176,10 @@ def wait_l2_stable(
         elif time.monotonic() - since >= quiet:
             if inv["objects"] >= min_objects:
                 return {**inv, "stable": True}
-            failed = store_failures(server_log)
-            if failed:
+            log = (
+                server_log.read_text(errors="replace") if server_log and server_log.exists() else ""
+            )
+            if failed := log.count(STORE_FAILED):
                 return {**inv, "stable": False, "store_failures": failed}
     return {**last, "stable": False}
 
@@ -1244,13 +1194,36 @@ class RunConfig:
     out: Path
     python: str = sys.executable
     gpu_memory_utilization: float = 0.25
-    # Fixed KV cache size: vLLM then skips its memory profiling, which asserts that no
-    # other process freed GPU memory meanwhile (concurrent cases do).
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = None  # --kv-cache-gib
     jobs: int = 1
     engine_timeout: float = 420.0
     keep_l2: bool = False
     work: Path = field(default_factory=lambda: Path("/tmp/hybridfa-gate"))
+
+
+def base_spec(
+    m: ModelSpec, n: int, role: str, model_dir: Path, prompt: list[int], port: int | None
+) -> dict[str, Any]:
+    """engine_proc's spec of an engine of ``m`` (block size ``n``) at TP 1 under FlashInfer,
+    batches of 2N - 1, whose measured request is ``prompt``; ``port``: its LMCache server's."""
+    spec: dict[str, Any] = {
+        "role": role,
+        "model_dir": str(model_dir),
+        "language_model_only": m.family == "qwen3_5",
+        "tensor_parallel_size": 1,
+        "max_num_batched_tokens": 2 * n - 1,  # 0.5.3: N <= it < 2N
+        "attention_backend": "FLASHINFER",
+        "max_model_len": len(prompt) + 4 * n,
+        "prompt": prompt,
+        "prompt_key": prompt_key(prompt),
+        "warmup": make_prompt(2 * n + 3, seed=2),
+        "health": make_prompt(3 * n + 17, seed=3),
+        "weight_seed": WEIGHT_SEED,
+    }
+    if port is not None:
+        mp = {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port}
+        spec["lmcache"] = {"module_path": CONNECTOR_MODULE, "extra_config": mp}
+    return spec
 
 
 def engine_spec(
@@ -1262,29 +1235,22 @@ def engine_spec(
     l2: Path | str | None,
     server_log: Path | None = None,
 ) -> dict[str, Any]:
-    """``l2``: the store engine's L2 tier (a folder, or ``redis://host:port``), which it
-    waits on before it exits; ``server_log`` defaults to server1.log beside the folder."""
-    g = case.geometry
-    p = case.prompt_tokens
-    spec: dict[str, Any] = {
-        "role": role,
-        "model_dir": str(model_dir),
-        "language_model_only": case.spec.family == "qwen3_5",
-        "tensor_parallel_size": case.tp,
-        "gpu_memory_utilization": rc.gpu_memory_utilization,
-        "max_num_batched_tokens": case.max_num_batched_tokens,
-        "attention_backend": case.backend,
-        "max_model_len": (p if case.turn == 1 else case.turn2_prompt_tokens) + 4 * g.block_size,
-        "prompt": make_prompt(p, seed=1),
-        "warmup": make_prompt(2 * g.block_size + 3, seed=2),
-        "health": make_prompt(3 * g.block_size + 17, seed=3),
-        "prompt_key": prompt_key(make_prompt(p, seed=1)),
-        "new_tokens": case.answer_tokens,
-        "top_k": TOP_K,
-        "weight_seed": WEIGHT_SEED,
-        "weight_std": WEIGHT_STD,
-        "layout": case.layout,
-    }
+    """``base_spec`` for ``case``; ``l2``: the store engine's L2 tier (a folder, or
+    ``redis://host:port``), which it waits on before it exits, giving up early on the failed
+    stores ``server_log`` shows."""
+    g, p = case.geometry, case.prompt_tokens
+    spec = base_spec(case.spec, g.block_size, role, model_dir, make_prompt(p, seed=1), port)
+    spec.update(
+        tensor_parallel_size=case.tp,
+        gpu_memory_utilization=rc.gpu_memory_utilization,
+        max_num_batched_tokens=case.max_num_batched_tokens,
+        attention_backend=case.backend,
+        max_model_len=(p if case.turn == 1 else case.turn2_prompt_tokens) + 4 * g.block_size,
+        new_tokens=case.answer_tokens,
+        top_k=TOP_K,
+        weight_std=WEIGHT_STD,
+        layout=case.layout,
+    )
     if rc.kv_cache_memory_bytes:
         spec["kv_cache_memory_bytes"] = rc.kv_cache_memory_bytes
     if case.spec_tokens:
@@ -1293,17 +1259,10 @@ def engine_spec(
         # vLLM's own prefix cache is turn 2's reference: this engine runs turn 1, then turn 2.
         spec["turn2_question"] = list(TURN2_QUESTION)
         spec["turn2_new_tokens"] = NEW_TOKENS
-    if port is not None:
-        spec["lmcache"] = {
-            "module_path": CONNECTOR_MODULE,
-            "extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port},
-        }
     if role == "store" and l2 is not None:
         spec["l2"] = str(l2)
         stored = p if case.turn == 1 else p + case.answer_tokens - 1
         spec["l2_min_objects"] = (stored // case.chunk) * case.tp
-        if server_log is None and isinstance(l2, Path):
-            server_log = l2.parent / "server1.log"
         if server_log is not None:
             spec["server_log"] = str(server_log)
     return spec
@@ -1331,11 +1290,6 @@ def store_spec(
     return spec
 
 
-def turn2_prompt(case: Case, answer: Sequence[int]) -> list[int]:
-    """Turn 2: turn 1's prompt, the model's answer to it, and the question."""
-    return [*make_prompt(case.prompt_tokens, seed=1), *answer, *TURN2_QUESTION]
-
-
 def restore_spec(
     case: Case, model_dir: Path, rc: RunConfig, port: int, answer: Sequence[int] = ()
 ) -> dict[str, Any]:
@@ -1349,7 +1303,7 @@ def restore_spec(
     spec = engine_spec(case, "restore", model_dir, rc, port, None)
     cold_reference = make_prompt(p, seed=4)
     if case.turn == 2:
-        prompt = turn2_prompt(case, answer)
+        prompt = [*make_prompt(p, seed=1), *answer, *TURN2_QUESTION]
         spec.update(prompt=prompt, prompt_key=prompt_key(prompt), new_tokens=NEW_TOKENS)
         cold_reference = make_prompt(len(prompt), seed=4)
     pairs = [(WARM_RESTORE_SEED, 5), *D_REPEAT_SEEDS]
@@ -1387,10 +1341,8 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     rec["expect_refusal"] = refused
     rec["expected_chunk_bytes"] = expected_chunk_bytes(case.spec, case.chunk, case.tp)
     cold_spec = engine_spec(case, "cold", model_dir, rc, None, None)
-    run_cold = functools.partial(
-        run_engine, rc.python, env, cold_spec, wd, "cold", rc.engine_timeout
-    )
-    cold = cold_runs.get_or_run(cold_key(case), run_cold)
+    run_cold = functools.partial(run_engine, rc.python, env, cold_spec, wd, "cold")
+    cold = cold_runs.get_or_run(cold_key(case), lambda: run_cold(rc.engine_timeout))
     store = restore = None
     servers: list[subprocess.Popen[Any]] = []
     redis: l2_backends.RedisServer | None = None
@@ -1403,14 +1355,13 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             adapter = l2_backends.adapter_json("resp", port=redis.port)
         else:
             adapter = l2_backends.adapter_json(case.l2, folder=l2)
-        port = free_port()
-        srv = start_server(rc.python, env, port, case.chunk, adapter, wd / "server1.log")
+        port, log = free_port(), wd / "server1.log"
+        srv = start_server(rc.python, env, port, case.chunk, adapter, log)
         servers.append(srv)
-        sspec = store_spec(case, model_dir, rc, port, tier, wd / "server1.log")
+        sspec = store_spec(case, model_dir, rc, port, tier, log)
         if refused:
             sspec["l2_min_objects"] = 0
         store = run_engine(rc.python, env, sspec, wd, "store", rc.engine_timeout)
-        log = wd / "server1.log"
         rec["l2_after_store"] = wait_l2_stable(tier, sspec["l2_min_objects"], server_log=log)
         kill_group(srv)
         rec["server1"] = server_log_facts(log.read_text(errors="replace"))
@@ -1451,12 +1402,6 @@ def _slim(r: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if r is None else {k: v for k, v in r.items() if k != "kv_hashes"}
 
 
-def nvidia_smi(*args: str, timeout: float = 60.0) -> list[str]:
-    """nvidia-smi's non-empty output lines (OSError where there is no nvidia-smi)."""
-    cp = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=timeout)
-    return [ln.strip() for ln in cp.stdout.splitlines() if ln.strip()]
-
-
 def collect_environment(py: str, lmcache_dir: Path) -> dict[str, Any]:
     probe = r"""
 import importlib, importlib.metadata as md, importlib.util, json
@@ -1494,9 +1439,11 @@ print("GATE-ENV " + json.dumps(out))
             versions = {"probe_error": (cp.stderr or cp.stdout)[-1500:]}
     except (OSError, subprocess.TimeoutExpired) as e:
         versions = {"probe_error": str(e)}
+    query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
     gpus: list[str] | str
     try:
-        gpus = nvidia_smi("--query-gpu=name,driver_version,memory.total", "--format=csv,noheader")
+        cp = subprocess.run(query, capture_output=True, text=True, timeout=60)
+        gpus = [ln.strip() for ln in cp.stdout.splitlines() if ln.strip()]
     except (OSError, subprocess.TimeoutExpired) as e:
         gpus = f"nvidia-smi failed: {e}"
     return {"versions": versions, "hardware": {"gpus": gpus}, "server_args": extra_server_args()}
@@ -1553,20 +1500,17 @@ def start_report(
 
 
 def write_report(report: dict[str, Any], stem: Path) -> None:
-    """Count the cases into ``summary`` and write ``<stem>.json`` and ``<stem>.md``."""
     evs = [r["eval"] for r in report["cases"]]
     report["summary"] = {"run": len(evs), "passed": sum(bool(ev.get("pass")) for ev in evs)}
     report["summary"]["bytes_mismatch"] = sum(ev.get("bytes_match") is False for ev in evs)
     report["summary"]["errors"] = sum(not ev.get("completed") for ev in evs)
-    Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    Path(f"{stem}.md").write_text(markdown_report(report))
+    write_json_md(stem, report, markdown_report(report))
 
 
 def run_matrix(
     cases: Iterable[Case], rc: RunConfig, on_progress: Callable[[dict], None] | None = None
 ) -> dict[str, Any]:
-    """Run cases (``rc.jobs`` at a time); writes ``<out>/gpu-gate-<date>-<arm>.json`` and
-    ``.md`` after every case."""
+    """Run cases, ``rc.jobs`` at a time, rewriting the report after every case."""
     t0 = time.monotonic()
     cases = list(cases)
     stem, report, problem = start_report("gpu-gate", rc.arm, rc.python, rc.lmcache_dir, rc.out)
@@ -1603,18 +1547,9 @@ def run_matrix(
     return {**report, "json_path": f"{stem}.json", "md_path": f"{stem}.md"}
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def add_run_args(
     ap: argparse.ArgumentParser, *, work: Path, kv_cache_gib: float | None, arms: Sequence[str]
 ) -> None:
-    """The options of every GPU script: the arm, the lmcache under test, where results and
-    work go, the engines' GPU memory."""
     ap.add_argument("--arm", choices=arms, default="patched", help=ARM_HELP)
     ap.add_argument(
         "--lmcache-dir",
@@ -1646,8 +1581,6 @@ ARM_HELP = (
 def add_case_args(
     ap: argparse.ArgumentParser, *, model: str, work: Path, kv_cache_gib: float | None
 ) -> None:
-    """The options fault_kill_mid_store.py and load.py share: add_run_args' and the one
-    case they run."""
     add_run_args(ap, work=work, kv_cache_gib=kv_cache_gib, arms=("patched", "pristine"))
     ap.add_argument("--model", default=model, choices=sorted(MODELS))
     ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
@@ -1671,9 +1604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "case ids / regexes",
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
-    ap.add_argument(
-        "--jobs", type=int, default=1, help="cases run concurrently (each its own engines)"
-    )
+    ap.add_argument("--jobs", type=int, default=1, help="cases run at once, each its own engines")
     ap.add_argument("--list", action="store_true", help="print the selected cases and exit")
     ap.add_argument(
         "--matrix",
@@ -1684,12 +1615,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     a = ap.parse_args(argv)
     if a.matrix:
-        reports = [_read_json(p) for p in a.matrix]
-        if None in reports:
-            ap.error(f"unreadable report among {[str(p) for p in a.matrix]}")
         try:
-            print(matrix_report([r for r in reports if r is not None], a.tp), end="")
-        except ValueError as e:
+            print(matrix_report([json.loads(p.read_text()) for p in a.matrix], a.tp), end="")
+        except (OSError, ValueError) as e:  # an unreadable report, or reports that do not mix
             ap.error(str(e))
         return 0
     cases = select_cases(a.cases, a.tp)

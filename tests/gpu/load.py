@@ -192,8 +192,7 @@ def load_seconds(phase: dict[str, Any]) -> float | None:
 
 
 def analyze(phases: Recs, records: Recs, keys: Sequence[Sequence[str]], snapshots: Recs) -> Rec:
-    """The verdict from each phase's engine summary (``phases``), the request records and
-    the L2 file snapshots taken after each phase's kill."""
+    """The verdict from the phases, their request records and L2 snapshots (after each kill)."""
     ver = verify_restores(records, keys)
     split = [r for r in records if r.get("external") is not None]
     prompt = sum(r["P"] for r in split) or None
@@ -235,7 +234,6 @@ def analyze(phases: Recs, records: Recs, keys: Sequence[Sequence[str]], snapshot
 
 
 def _cell(v: Any) -> str:
-    """A report cell: a latency summary as p50 / p90 / p99 (n), else gate.fmt."""
     if isinstance(v, dict) and "n" in v:
         return " / ".join(gate.fmt(v[f"p{q}"]) for q in (50, 90, 99)) + f" (n={v['n']})"
     return gate.fmt(v)
@@ -384,7 +382,6 @@ class LoadConfig:
 
 
 def phase_spec(cfg: LoadConfig, model_dir: Path, port: int, phase: int, wd: Path) -> dict:
-    """engine_proc spec of one phase: the gate's engine spec plus the load fields."""
     case, w = cfg.case, cfg.workload
     n, pool = case.geometry.block_size, cfg.pool
     kv = int(cfg.kv_cache_gib * 2**30) if cfg.kv_cache_gib else None
@@ -433,7 +430,7 @@ def run_phase(cfg: LoadConfig, env: dict[str, str], model_dir: Path, phase: int)
         if srv is not None:
             gate.kill_group(srv)
     text = log.read_text(errors="replace") if log.exists() else ""
-    meta["server"] = {**gate.server_log_facts(text), "l2_discards": gate.l2_discards(text)}
+    meta["server"] = gate.server_log_facts(text)
     inv = gate.l2_inventory(wd / "l2", with_files=True)
     return meta | {"l2_objects": inv["objects"], "l2_bytes": inv["bytes"], "files": inv["files"]}
 
@@ -482,8 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: Rec = {"schema": SCHEMA, **head, "config": config | {"workload": asdict(cfg.workload)}}
 
     def flush() -> None:
-        Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-        Path(f"{stem}.md").write_text(markdown_report(report))
+        gate.write_json_md(stem, report, markdown_report(report))
 
     if problem:
         report["error"] = problem
@@ -491,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gate.install_cleanup_handler()
         run_load(cfg, report, flush)
     flush()
-    print(Path(f"{stem}.md").read_text())
+    print(markdown_report(report))
     return 2 if problem else 0 if report["analysis"]["pass"] else 1
 
 

@@ -297,7 +297,7 @@ def test_the_default_servers_disk_bound_is_a_target_at_each_length_it_ran() -> N
 
 def test_the_report_holds_the_top_level_fields_and_a_row_per_arm(tmp_path: Path) -> None:
     rates = {"disk_read_gbps": 2.0, "page_cache_read_gbps": 10.0, "pinned_h2d_gbps": 50.0}
-    res = bench.load_results(tmp_path / "none.json")
+    res = bench.new_results()
     for arm in ("cold", "default", "offloading"):
         res["rows"][bench.row_key(TINY.name, 26624, arm)] = {
             "model": TINY.name,
@@ -359,7 +359,6 @@ def _args(tmp_path: Path, **kw: Any) -> argparse.Namespace:
         "work": tmp_path / "w",
         "results": tmp_path / "r.json",
         "time_limit_s": 0,
-        "redo": False,
         "engine_timeout": 60.0,
         "lmcache_dir": tmp_path / "lmc",
     }
@@ -393,7 +392,7 @@ def test_pagecache_and_default_share_one_store_and_only_default_drops_the_files(
     monkeypatch.setattr(gate, "kill_group", lambda proc: None)
     monkeypatch.setattr(gate, "wait_l2_stable", lambda *a, **k: None)
     monkeypatch.setattr(bench.fs_l2_read, "drop_cache", lambda files: dropped.append(len(files)))
-    b = bench.Bench(_args(tmp_path), bench.load_results(tmp_path / "r.json"))
+    b = bench.Bench(_args(tmp_path), bench.new_results())
     b.restore_phase(TINY, p, ["pagecache", "default"], tmp_path / "lmc")
     assert roles == ["store", "restore-pagecache", "restore-default"] and dropped == [4]
     rows = b.results["rows"]
@@ -408,7 +407,7 @@ def test_no_engine_starts_past_the_time_limit_and_the_row_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(gate, "run_engine", lambda *a, **k: pytest.fail("an engine started"))
-    b = bench.Bench(_args(tmp_path, time_limit_s=1), bench.load_results(tmp_path / "r.json"))
+    b = bench.Bench(_args(tmp_path, time_limit_s=1), bench.new_results())
     b.restore_phase(TINY, 2 * N + 100, ["offloading"])
     row = b.results["rows"][bench.row_key(TINY.name, 2 * N + 100, "offloading")]
     assert not row["ok"] and row["errors"][0].startswith("not run: ") and not row["findings"]

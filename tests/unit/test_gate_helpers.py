@@ -19,7 +19,8 @@ gate = _load("hybridfa_gpu_gate", GPU_DIR / "gate.py")
 @pytest.mark.parametrize("name", sorted(gate.MODELS))
 def test_expected_geometry_of_each_tiny_model(name: str) -> None:
     ratio = int(name.rsplit("-r", 1)[1])
-    assert gate.expected_geometry(gate.MODELS[name]) == gate.EXPECTED[ratio]
+    n = {5: 80, 17: 544, 25: 1600}[ratio]  # N of each ratio
+    assert gate.expected_geometry(gate.MODELS[name]) == gate.Geometry(n, n // ratio, ratio)
 
 
 def test_expected_geometry_matches_the_three_required_ratios() -> None:
@@ -211,7 +212,10 @@ def _engine(tokens, lps, gen_s, cached=None, kv=None, health=True) -> dict:
         "tokens": tokens,
         "logprobs": lps,
         "gen_s": gen_s,
+        "ttft_s": gen_s,
         "num_cached_tokens": cached,
+        "external_cached_tokens": cached,
+        "local_cached_tokens": 0,
         "kv_hashes": kv,
         "weights_fingerprint": "w",
         "geometry": {"block_size": 80, "kernel_page": 16, "ratio": 5},

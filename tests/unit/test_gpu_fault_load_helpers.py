@@ -834,14 +834,15 @@ def test_fault_flow_with_fakes(tmp_path: Path, monkeypatch) -> None:
     assert not l2.exists()
 
 
-def test_gate_l2_discards() -> None:
+def test_server_log_facts_count_the_l2_objects_found_damaged() -> None:
     text = (
         "FSL2Adapter: a.data is not an intact 4096-byte object (digest mismatch); treating\n"
         "Incomplete read for b.data: expected 4096, got 100\n"
         "Incomplete O_DIRECT read for c.data: expected 4096, got 0\n"
         "Stored 80 tokens\n"
     )
-    assert gate.l2_discards(text) == 3 and gate.l2_discards("") == 0
+    assert gate.server_log_facts(text)["l2_discards"] == 3
+    assert gate.server_log_facts("")["l2_discards"] == 0
 
 
 def test_fault_report_renders_an_engine_failure() -> None:
