@@ -637,7 +637,7 @@ class Bench:
             files = sorted(tier.rglob("*.bin" if offload else "*.data"))
             inv = {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
             if not offload:
-                inv = gate.l2_inventory(tier)
+                inv = gate.l2_backends.folder_inventory(tier)
             for arm, eid in zip(arms, ids[1:], strict=True):
                 if arm != "pagecache":
                     fs_l2_read.drop_cache(files)

@@ -354,7 +354,7 @@ def run_fault(fc: FaultConfig, cold_runs: gate.ColdRuns) -> dict[str, Any]:
         kill = watch_and_kill(
             expected,
             target,
-            lambda: gate.l2_inventory(l2),
+            lambda: gate.l2_backends.folder_inventory(l2),
             th.is_alive,
             lambda: gate.kill_group(srv1),
             fc.poll_s,
@@ -362,7 +362,7 @@ def run_fault(fc: FaultConfig, cold_runs: gate.ColdRuns) -> dict[str, Any]:
         th.join()
         store = box.get("store")
         gate.kill_group(srv1)  # no-op after a kill; ends a server the watcher did not kill
-        rec["l2_after_kill"] = gate.l2_inventory(l2)
+        rec["l2_after_kill"] = gate.l2_backends.folder_inventory(l2)
         rec["tmp_files_after_kill"] = count_tmp(l2)
         text = (wd / "server1.log").read_text(errors="replace")
         rec["server1"] = gate.server_log_facts(text)

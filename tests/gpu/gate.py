@@ -672,45 +672,6 @@ def evaluate_case(
     return out
 
 
-# --- L2 inventories ---------------------------------------------------------------------
-
-
-def parse_l2_filename(name: str) -> dict[str, Any] | None:
-    """``<model>@0x<kv_rank>@<og hex>@<chunk hash>[@salt].data`` (fs_l2_adapter.py): the
-    key's fields but the model."""
-    meta = l2_backends.parse_object_key(name[: -len(".data")]) if name.endswith(".data") else None
-    return {k: v for k, v in meta.items() if k != "model"} if meta is not None else None
-
-
-def l2_inventory(root: Path, with_files: bool = False) -> dict[str, Any]:
-    """Objects (complete ``.data`` files) in an fs L2 folder; ``with_files`` adds
-    ``files``: {path relative to root: size} (load.py compares these across restarts)."""
-    out = l2_backends.empty_inventory()
-    names: dict[str, int] = {}
-    for p in Path(root).rglob("*"):
-        try:
-            meta = parse_l2_filename(p.name) if p.is_file() else None
-            size = p.stat().st_size if meta is not None else 0
-        except FileNotFoundError:  # renamed or removed by a live server meanwhile
-            continue
-        if meta is not None:
-            l2_backends.tally(out, meta, size)
-            names[str(p.relative_to(root))] = size
-    return {**out, "files": names} if with_files else out
-
-
-def tier_inventory(tier: str | Path) -> dict[str, Any]:
-    """Objects of an L2 tier: an fs or fs_native folder, or ``redis://host:port``."""
-    text = str(tier)
-    if text.startswith(REDIS_URL):
-        host, port = text[len(REDIS_URL) :].rsplit(":", 1)
-        return l2_backends.resp_inventory(int(port), host)
-    return l2_inventory(Path(text))
-
-
-REDIS_URL = "redis://"
-
-
 def expected_chunk_bytes(m: ModelSpec, chunk: int, tp: int = 1) -> int:
     """Bytes of one correct chunk object per rank: every layer's full pages (mamba padded)."""
     n = expected_geometry(m, tp).block_size
@@ -796,8 +757,8 @@ def object_group_means(inventory: dict[str, Any]) -> dict[str, float]:
 
 
 def chunk_bytes_of(inventory: dict[str, Any]) -> float | None:
-    """L2 bytes of one chunk from an ``l2_inventory``: the mean object size, summed over
-    object groups when FA and GDN objects are written apart (patch 0013's option)."""
+    """L2 bytes of one chunk from a tier inventory: the mean object size, summed over object
+    groups when FA and GDN objects are written apart (patch 0013's option)."""
     if len(means := object_group_means(inventory)) > 1:
         return sum(means.values())
     return inventory["bytes"] / inventory["objects"] if inventory.get("objects") else None
@@ -1167,10 +1128,10 @@ def wait_l2_stable(
     for ``quiet`` s; give up early once it is quiet and ``server_log`` shows failed stores
     (pristine 0.5.3 under HND fails every store): the missing objects will never come."""
     deadline = time.monotonic() + timeout
-    last, since = tier_inventory(tier), time.monotonic()
+    last, since = l2_backends.tier_inventory(tier), time.monotonic()
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        inv = tier_inventory(tier)
+        inv = l2_backends.tier_inventory(tier)
         if (inv["objects"], inv["bytes"]) != (last["objects"], last["bytes"]):
             last, since = inv, time.monotonic()
         elif time.monotonic() - since >= quiet:
@@ -1351,7 +1312,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         if case.l2 == "resp":
             # The shared tier outlives both LMCache servers, as a Redis of its own would.
             redis = l2_backends.RedisServer(workdir=wd / "redis").start()
-            tier = f"{REDIS_URL}{l2_backends.REDIS_HOST}:{redis.port}"
+            tier = l2_backends.redis_url(redis.port)
             adapter = l2_backends.adapter_json("resp", port=redis.port)
         else:
             adapter = l2_backends.adapter_json(case.l2, folder=l2)
@@ -1365,7 +1326,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         rec["l2_after_store"] = wait_l2_stable(tier, sspec["l2_min_objects"], server_log=log)
         kill_group(srv)
         rec["server1"] = server_log_facts(log.read_text(errors="replace"))
-        inv = rec["l2_after_kill"] = tier_inventory(tier)
+        inv = rec["l2_after_kill"] = l2_backends.tier_inventory(tier)
         if inv["objects"]:
             rec["l2_bytes_per_object"] = inv["bytes"] / inv["objects"]
         if store.get("ok") and case.turn == 2 and store.get("tokens") != cold.get("tokens"):

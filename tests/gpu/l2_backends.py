@@ -3,8 +3,8 @@
 Standard library only, so the gate imports it on a bare GPU node. ``adapter_json`` gives
 the ``lmcache server --l2-adapter`` value of the ``fs``, ``fs_native`` and ``resp``
 adapters; ``RedisServer`` runs a throwaway redis-server (no persistence) for a ``resp``
-tier; ``resp_inventory`` counts the objects and bytes of a resp tier as
-``gate.l2_inventory`` does for an fs folder, over a minimal RESP client.
+tier; ``tier_inventory`` counts the objects and bytes of a tier, an fs or fs_native folder
+(``folder_inventory``) or a resp tier (``resp_inventory``, over a minimal RESP client).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def empty_inventory() -> dict[str, Any]:
 
 def resp_inventory(port: int, host: str = REDIS_HOST, with_keys: bool = False) -> dict[str, Any]:
     """Objects of a resp tier: their count and value bytes (STRLEN), per rank and object
-    group, as ``gate.l2_inventory`` reports an fs folder; ``with_keys`` adds ``keys``:
+    group, as ``folder_inventory`` reports an fs folder; ``with_keys`` adds ``keys``:
     {key: bytes}. Keys that are not lmcache objects are left out; ``dbsize`` counts all."""
     out = empty_inventory()
     keys: dict[str, int] = {}
@@ -179,6 +179,47 @@ def resp_inventory(port: int, host: str = REDIS_HOST, with_keys: bool = False) -
     if with_keys:
         out["keys"] = keys
     return out
+
+
+def parse_file_name(name: str) -> dict[str, Any] | None:
+    """``<model>@0x<kv_rank>@<og hex>@<chunk hash>[@salt].data`` (the fs and fs_native
+    adapters' files): the key's fields but the model."""
+    meta = parse_object_key(name[: -len(".data")]) if name.endswith(".data") else None
+    return {k: v for k, v in meta.items() if k != "model"} if meta is not None else None
+
+
+def folder_inventory(root: Path, with_files: bool = False) -> dict[str, Any]:
+    """Objects (complete ``.data`` files) in an fs L2 folder; ``with_files`` adds
+    ``files``: {path relative to root: size} (load.py compares these across restarts)."""
+    out = empty_inventory()
+    names: dict[str, int] = {}
+    for p in Path(root).rglob("*"):
+        try:
+            meta = parse_file_name(p.name) if p.is_file() else None
+            size = p.stat().st_size if meta is not None else 0
+        except FileNotFoundError:  # renamed or removed by a live server meanwhile
+            continue
+        if meta is not None:
+            tally(out, meta, size)
+            names[str(p.relative_to(root))] = size
+    return {**out, "files": names} if with_files else out
+
+
+REDIS_URL = "redis://"
+
+
+def redis_url(port: int, host: str = REDIS_HOST) -> str:
+    """A resp tier as one string (engine specs are JSON): ``redis://host:port``."""
+    return f"{REDIS_URL}{host}:{port}"
+
+
+def tier_inventory(tier: str | Path) -> dict[str, Any]:
+    """Objects of an L2 tier: an fs or fs_native folder, or ``redis_url``'s string."""
+    text = str(tier)
+    if text.startswith(REDIS_URL):
+        host, port = text[len(REDIS_URL) :].rsplit(":", 1)
+        return resp_inventory(int(port), host)
+    return folder_inventory(Path(text))
 
 
 # ---------------------------------------------------------------------------------------

@@ -431,7 +431,7 @@ def run_phase(cfg: LoadConfig, env: dict[str, str], model_dir: Path, phase: int)
             gate.kill_group(srv)
     text = log.read_text(errors="replace") if log.exists() else ""
     meta["server"] = gate.server_log_facts(text)
-    inv = gate.l2_inventory(wd / "l2", with_files=True)
+    inv = gate.l2_backends.folder_inventory(wd / "l2", with_files=True)
     return meta | {"l2_objects": inv["objects"], "l2_bytes": inv["bytes"], "files": inv["files"]}
 
 

@@ -345,24 +345,6 @@ def test_evaluate_case_without_a_hit_proves_nothing() -> None:
     assert any("no external hit" in e for e in ev["errors"])
 
 
-def test_l2_filename_and_inventory(tmp_path: Path) -> None:
-    meta = gate.parse_l2_filename("m@0x02010201@0@abcd.data")
-    assert meta == {"world_size": 2, "rank": 1, "object_group": 0, "chunk_hash": "abcd"}
-    assert gate.parse_l2_filename("m@0x00000000@1@ab@salt.data")["object_group"] == 1
-    assert gate.parse_l2_filename("x.tmp") is None
-    (tmp_path / "m@0x02000200@0@aa.data").write_bytes(b"1" * 10)
-    (tmp_path / "m@0x02010201@0@aa.data").write_bytes(b"1" * 7)
-    (tmp_path / "m@0x02010201@1@bb.data").write_bytes(b"1" * 7)
-    (tmp_path / "junk.tmp").write_bytes(b"1")
-    inv = gate.l2_inventory(tmp_path)
-    assert inv["objects"] == 3 and inv["bytes"] == 24
-    assert inv["per_rank"] == {"0": {"objects": 1, "bytes": 10}, "1": {"objects": 2, "bytes": 14}}
-    assert inv["per_object_group"] == {
-        "0": {"objects": 2, "bytes": 17},
-        "1": {"objects": 1, "bytes": 7},
-    }
-
-
 def test_expected_chunk_bytes_section_m() -> None:
     # Section M: a correct 80-token chunk of the tiny OlmoHybrid is 8 x 81,920 B.
     assert gate.expected_chunk_bytes(gate.MODELS["olmo-r5"], 80) == 655_360
@@ -1063,14 +1045,3 @@ def test_a_refusal_the_server_never_logged_or_that_stored_objects_is_an_error() 
     assert len(errors) == 2 and gate.REFUSAL in errors[0]
     logged = {"expect_refusal": True, "server1": {"refusals": 1}, "l2_after_kill": {"objects": 0}}
     assert gate.run_errors(logged) == []
-
-
-def test_tier_inventory_reads_a_folder_or_a_redis_url(tmp_path: Path, monkeypatch) -> None:
-    (tmp_path / "m@0x1000000@0x0@abcd.data").write_bytes(b"\0" * 10)
-    assert gate.tier_inventory(tmp_path)["objects"] == 1
-    seen = []
-    monkeypatch.setattr(
-        gate.l2_backends, "resp_inventory", lambda port, host: seen.append((host, port)) or {}
-    )
-    gate.tier_inventory("redis://127.0.0.1:6390")
-    assert seen == [("127.0.0.1", 6390)]

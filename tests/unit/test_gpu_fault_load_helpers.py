@@ -229,13 +229,13 @@ def test_lost_objects_from_two_inventories(tmp_path: Path) -> None:
     for i in range(4):
         _obj(l2, i)
     (l2 / "x.tmp").write_bytes(b"half")  # an interrupted write is not an object
-    before = gate.l2_inventory(l2, with_files=True)
+    before = gate.l2_backends.folder_inventory(l2, with_files=True)
     assert before["objects"] == 4 and len(before["files"]) == 4
-    assert "files" not in gate.l2_inventory(l2)  # the gate's own calls are unchanged
+    assert "files" not in gate.l2_backends.folder_inventory(l2)  # the gate's own calls
     _obj(l2, 0).unlink()
     _obj(l2, 1, size=10)
     _obj(l2, 9)  # a new object is not lost
-    after = gate.l2_inventory(l2, with_files=True)
+    after = gate.l2_backends.folder_inventory(l2, with_files=True)
     lost = load.lost_objects([before["files"], after["files"]])
     assert [Path(n).name[-9:] for n in lost] == ["0000.data", "0001.data"]  # missing, resized
     assert load.lost_objects([before["files"], before["files"], after["files"]]) == lost

@@ -1,5 +1,5 @@
-"""CPU tests of tests/gpu/l2_backends.py: the gate's adapter JSON, redis-server process
-and resp inventory, against a real redis-server."""
+"""CPU tests of tests/gpu/l2_backends.py: the gate's adapter JSON, folder and resp
+inventories, and redis-server process, the resp parts against a real redis-server."""
 
 from __future__ import annotations
 
@@ -117,3 +117,32 @@ def test_without_a_binary_the_server_is_not_built(monkeypatch: pytest.MonkeyPatc
     assert l2_backends.redis_server_binary() is None
     with pytest.raises(FileNotFoundError):
         RedisServer()
+
+
+def test_l2_filename_and_inventory(tmp_path: Path) -> None:
+    meta = l2_backends.parse_file_name("m@0x02010201@0@abcd.data")
+    assert meta == {"world_size": 2, "rank": 1, "object_group": 0, "chunk_hash": "abcd"}
+    assert l2_backends.parse_file_name("m@0x00000000@1@ab@salt.data")["object_group"] == 1
+    assert l2_backends.parse_file_name("x.tmp") is None
+    (tmp_path / "m@0x02000200@0@aa.data").write_bytes(b"1" * 10)
+    (tmp_path / "m@0x02010201@0@aa.data").write_bytes(b"1" * 7)
+    (tmp_path / "m@0x02010201@1@bb.data").write_bytes(b"1" * 7)
+    (tmp_path / "junk.tmp").write_bytes(b"1")
+    inv = l2_backends.folder_inventory(tmp_path)
+    assert inv["objects"] == 3 and inv["bytes"] == 24
+    assert inv["per_rank"] == {"0": {"objects": 1, "bytes": 10}, "1": {"objects": 2, "bytes": 14}}
+    assert inv["per_object_group"] == {
+        "0": {"objects": 2, "bytes": 17},
+        "1": {"objects": 1, "bytes": 7},
+    }
+
+
+def test_tier_inventory_reads_a_folder_or_a_redis_url(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "m@0x1000000@0x0@abcd.data").write_bytes(b"\0" * 10)
+    assert l2_backends.tier_inventory(tmp_path)["objects"] == 1
+    seen = []
+    monkeypatch.setattr(
+        l2_backends, "resp_inventory", lambda port, host: seen.append((host, port)) or {}
+    )
+    l2_backends.tier_inventory(l2_backends.redis_url(6390))
+    assert seen == [("127.0.0.1", 6390)]
