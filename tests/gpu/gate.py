@@ -1248,6 +1248,8 @@ def store_spec(
     seeds = (WARM_RESTORE_SEED, *(r for r, _ in D_REPEAT_SEEDS))
     spec["also_store"] = [make_prompt(case.prompt_tokens, seed=s) for s in seeds]
     spec["l2_min_objects"] += len(seeds) * (case.prompt_tokens // case.chunk) * case.tp
+    if case.refused_by(rc.arm):  # the server stores nothing of a layout it refuses
+        spec["l2_min_objects"] = 0
     return spec
 
 
@@ -1320,8 +1322,6 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         srv = start_server(rc.python, env, port, case.chunk, adapter, log)
         servers.append(srv)
         sspec = store_spec(case, model_dir, rc, port, tier, log)
-        if refused:
-            sspec["l2_min_objects"] = 0
         store = run_engine(rc.python, env, sspec, wd, "store", rc.engine_timeout)
         rec["l2_after_store"] = wait_l2_stable(tier, sspec["l2_min_objects"], server_log=log)
         kill_group(srv)

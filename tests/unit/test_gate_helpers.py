@@ -1045,3 +1045,11 @@ def test_a_refusal_the_server_never_logged_or_that_stored_objects_is_an_error() 
     assert len(errors) == 2 and gate.REFUSAL in errors[0]
     logged = {"expect_refusal": True, "server1": {"refusals": 1}, "l2_after_kill": {"objects": 0}}
     assert gate.run_errors(logged) == []
+
+
+def test_a_refused_case_waits_for_no_stored_object(tmp_path: Path) -> None:
+    case = gate.Case("olmo-r5", "NHD", 2, False, l2="fs_native")
+    rc = gate.RunConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path)
+    assert gate.store_spec(case, tmp_path, rc, 1, tmp_path / "l2")["l2_min_objects"] == 0
+    pristine = gate.RunConfig(arm="pristine", lmcache_dir=tmp_path, out=tmp_path)
+    assert gate.store_spec(case, tmp_path, pristine, 1, tmp_path / "l2")["l2_min_objects"] > 0
