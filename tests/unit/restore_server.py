@@ -30,6 +30,7 @@ from hybrid_kv import (
     _Wrapper,
     build_hybrid_kv,
 )
+from redis_server import l2_backends
 
 MODEL = "hybrid"
 TIMEOUT_S = 10.0
@@ -174,23 +175,18 @@ def _storage_config(
 
 
 def _l2_adapter_config(l2_dir: Path, l2_adapter: str, resp_port: int | None) -> Any:
-    """LMCache's config of the ``fs`` (Python) or ``fs_native`` (C++) adapter on l2_dir,
-    or of the ``resp`` adapter (C++ Redis client) on redis at 127.0.0.1:resp_port."""
-    if l2_adapter == "resp":
-        from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
+    """LMCache's config of the ``fs`` (Python) or ``fs_native`` (C++) adapter on l2_dir, or of
+    the ``resp`` adapter (C++ Redis client) on redis at 127.0.0.1:resp_port, parsed from the
+    same ``--l2-adapter`` JSON the GPU gate gives its servers."""
+    from lmcache.v1.distributed.l2_adapters.config import get_l2_adapter_config_class
 
+    if l2_adapter == "resp":
         if resp_port is None:
             raise ValueError("the resp adapter needs ServerFactory.resp_port (a redis-server)")
-        return RESPL2AdapterConfig(host="127.0.0.1", port=resp_port, num_workers=2)
-    if l2_adapter == "fs_native":
-        from lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter import (
-            FSNativeL2AdapterConfig,
-        )
-
-        return FSNativeL2AdapterConfig(base_path=str(l2_dir))
-    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2AdapterConfig
-
-    return FSL2AdapterConfig(base_path=str(l2_dir))
+        spec = {**l2_backends.adapter_json("resp", port=resp_port), "num_workers": 2}
+    else:
+        spec = l2_backends.adapter_json(l2_adapter, folder=l2_dir)
+    return get_l2_adapter_config_class(spec["type"]).from_dict(spec)
 
 
 class ServerFactory:
