@@ -61,9 +61,8 @@ def gate_problems(report: dict, arm: str) -> list[str]:
         if not ev.get("completed"):
             problems.append(f"{rec['case']}: {ev.get('errors')}")
         elif arm == "patched":
-            failed = [k for k in ("bce" if ev.get("refused") else "abcde") if not ev.get(k)]
-            if failed or not ev.get("pass"):
-                problems.append(f"{rec['case']}: failed {failed} errors={ev.get('errors')}")
+            if not ev.get("pass"):  # evaluate_case's pass: (a)-(e), or (b) (c) (e) if refused
+                problems.append(f"{rec['case']}: {gate.verdict(ev)} errors={ev.get('errors')}")
         else:
             shown, why = gate.pristine_shows_the_bug(ev)
             if not shown:
