@@ -1053,3 +1053,55 @@ def test_a_refused_case_waits_for_no_stored_object(tmp_path: Path) -> None:
     assert gate.store_spec(case, tmp_path, rc, 1, tmp_path / "l2")["l2_min_objects"] == 0
     pristine = gate.RunConfig(arm="pristine", lmcache_dir=tmp_path, out=tmp_path)
     assert gate.store_spec(case, tmp_path, pristine, 1, tmp_path / "l2")["l2_min_objects"] > 0
+
+
+def test_an_mtp_cold_engine_repeats_its_prompt(tmp_path: Path) -> None:
+    rc = gate.RunConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path)
+    mtp = gate.Case("qwen35-r5", "NHD", 2, False, spec_tokens=1)
+    assert gate.engine_spec(mtp, "cold", tmp_path, rc, None, None)["repeat_prompt"]
+    assert "repeat_prompt" not in gate.engine_spec(mtp, "store", tmp_path, rc, 1, None)
+    plain = gate.Case("qwen35-r5", "NHD", 2, False)
+    assert "repeat_prompt" not in gate.engine_spec(plain, "cold", tmp_path, rc, None, None)
+
+
+def _mtp_engines(hit: int, own_hit: int | None) -> tuple[Any, dict, dict, dict]:
+    """qwen35-r5, NHD, chunk 2N, MTP 1: the restore hit ``hit``; the cold engine's repeat of
+    the prompt hit ``own_hit`` in vLLM's own prefix cache (None: no repeat)."""
+    case = gate.Case("qwen35-r5", "NHD", 2, False, spec_tokens=1)
+    kv = [_hashes({"0": "a"}, {str(hit // 80 - 1): "x"})]
+    cold, store = _engine([5], [], 3.0), _engine([5], [], 3.0, kv=kv)
+    if own_hit is not None:
+        cold["repeat"] = {"local_cached_tokens": own_hit, "num_cached_tokens": own_hit}
+    restore = {**_engine([5], [], 0.5, cached=hit, kv=kv), "ttft_s": 0.5}
+    restore["cold_reference"] = {"ttft_s": 1.0, "num_cached_tokens": 0}
+    return case, cold, store, restore
+
+
+def test_under_mtp_c_is_bounded_by_vllms_own_prefix_cache_hit() -> None:
+    """Seen on the H200 (vLLM 0.26.0): under MTP the prompt's last full block keeps no
+    recurrent checkpoint, so a restore ends a chunk short of the usual promise."""
+    n, chunk = 80, 160
+    case = gate.Case("qwen35-r5", "NHD", 2, False, spec_tokens=1)
+    own = case.promisable_hit // n * n - n  # vLLM's own hit: one block short
+    bound = own // chunk * chunk
+    assert bound < gate.required_hit(case.prompt_tokens, chunk, case.promisable_hit)
+    ev = gate.evaluate_case(*_mtp_engines(bound, own))
+    assert ev["vllm_prefix_cache_hit"] == own and ev["required_hit"] == bound
+    assert ev["c"] and ev["pass"], ev
+    ev = gate.evaluate_case(*_mtp_engines(bound - chunk, own))
+    assert not ev["c"] and not ev["pass"]
+
+
+def test_under_mtp_vllms_own_full_hit_keeps_the_usual_bar() -> None:
+    case = gate.Case("qwen35-r5", "NHD", 2, False, spec_tokens=1)
+    full = case.promisable_hit + 40  # vLLM's own cache kept every block of the prompt
+    usual = gate.required_hit(case.prompt_tokens, case.chunk, case.promisable_hit)
+    ev = gate.evaluate_case(*_mtp_engines(case.promisable_hit - case.chunk, full))
+    assert ev["required_hit"] == usual and not ev["c"]
+
+
+def test_under_mtp_a_missing_repeat_is_an_error() -> None:
+    case = gate.Case("qwen35-r5", "NHD", 2, False, spec_tokens=1)
+    for own in (None, 0):
+        ev = gate.evaluate_case(*_mtp_engines(case.promisable_hit, own))
+        assert not ev["pass"] and any("no bound for (c)" in e for e in ev["errors"])
