@@ -672,10 +672,8 @@ class Bench:
 
 def run(a: argparse.Namespace) -> int | str:
     results, arms = new_results(), a.arms.split(",")
-    cases: list[tuple[str, int]] = []  # in the order given: the first ones run before a time limit
-    for model, _, length in (c.strip().partition(":") for c in a.cases.split(",") if c.strip()):
-        if (model, p := LENGTHS.get(length) or int(length)) not in cases:
-            cases.append((model, p))
+    parts = (c.strip().partition(":") for c in a.cases.split(",") if c.strip())
+    cases = list(dict.fromkeys((m, LENGTHS.get(x) or int(x)) for m, _, x in parts))  # in order
     if unknown := {model for model, _ in cases} - set(MODELS):
         return f"bench: unknown model {unknown}; one of {', '.join(MODELS)}"
     bench = Bench(a, results)  # --time-limit-s counts from here
@@ -705,11 +703,9 @@ def run(a: argparse.Namespace) -> int | str:
         "pinned_h2d_gbps": pinned.get("h2d_gbps"),
     }
     bench.save()
-    cold_done: set[str] = set()
-    for model, p in cases:
+    for i, (model, p) in enumerate(cases):
         m = MODELS[model]
-        if "cold" in arms and model not in cold_done:  # one engine times all of a model's lengths
-            cold_done.add(model)
+        if "cold" in arms and model not in {k for k, _ in cases[:i]}:  # one engine, all lengths
             bench.cold_phase(m, sorted(q for k, q in cases if k == model))
         for group, lmc in (  # pagecache and default share a store, pagecache first
             (("pagecache", "default"), a.lmcache_dir),

@@ -448,9 +448,6 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     if resyncs is not None:
         result["block_table_resyncs"] = resyncs
 
-    if spec.get("repeat_prompt"):  # the same prompt again: vLLM's own prefix-cache hit
-        result["repeat"] = _generate_timed(llm, spec["prompt"], greedy)[1]
-
     if spec.get("turn2_question"):
         # vLLM's own prefix cache serves turn 1's prompt and answer to turn 2.
         p2 = [*spec["prompt"], *result["tokens"], *spec["turn2_question"]]

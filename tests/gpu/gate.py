@@ -395,7 +395,14 @@ class Case:
         """The most a hybrid connector can restore: chunks before the last prompt token,
         and for turn 2 only chunks turn 1 computed KV for (prompt + answer - 1 tokens)."""
         if self.turn == 1:
-            return max_promisable_hit(self.prompt_tokens, self.chunk)
+            hit = max_promisable_hit(self.prompt_tokens, self.chunk)
+            if self.spec_tokens:
+                # vLLM 0.26.0's _mamba_block_aligned_split backs the last cached state off a
+                # block under MTP (use_eagle): the prompt's last full block has none.
+                n = self.geometry.block_size
+                last_state = self.prompt_tokens // n * n - n
+                hit = min(hit, last_state // self.chunk * self.chunk)
+            return hit
         kv = self.prompt_tokens + self.answer_tokens - 1
         turn2 = max_promisable_hit(self.turn2_prompt_tokens, self.chunk)
         return min(kv // self.chunk * self.chunk, turn2)
@@ -577,6 +584,33 @@ def connector_hit(result: dict[str, Any]) -> tuple[int, int]:
     return int(ext or 0), int(local or 0)
 
 
+def promised_hit(case: Case, reference_hit: int | None) -> int | None:
+    """(c)'s promise; for turn 2 under MTP at most vLLM's own prefix-cache hit, cut to a chunk
+    (decode steps of 1 + K tokens skip block boundaries). None: no such hit to bound it."""
+    if not (case.spec_tokens and case.turn == 2):
+        return case.promisable_hit
+    if not reference_hit:
+        return None
+    return min(case.promisable_hit, reference_hit // case.chunk * case.chunk)
+
+
+def rejudge(report: dict[str, Any]) -> dict[str, Any]:
+    """A report's cases with (c) judged against today's ``promised_hit``; (a), (b), (d) and
+    (e) stay as recorded (the report keeps no KV hashes)."""
+    for rec in report["cases"]:
+        ev = rec["eval"]
+        if not ev.get("completed") or ev.get("refused"):
+            continue
+        case = select_cases(rec["case"], rec.get("tp", 1))[0]
+        promise = promised_hit(case, ev.get("reference_prefix_cache_hit"))
+        ev["recorded"] = {k: ev[k] for k in ("required_hit", "c", "pass")}
+        ev["required_hit"] = required_hit(ev["prompt_tokens"], case.chunk, promise or 0)
+        ev["c"] = promise is not None and 0 < ev["hit_tokens"] >= ev["required_hit"]
+        ev["pass"] = not ev["errors"] and all(ev[k] for k in "abcde")
+    report["rejudged"] = _dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
+    return report
+
+
 def evaluate_case(
     case: Case, cold: Result, store: Result, restore: Result, refused: bool = False
 ) -> dict[str, Any]:
@@ -618,18 +652,9 @@ def evaluate_case(
     if case.turn == 2:
         _, ref_local = connector_hit(reference)
         out["reference_prefix_cache_hit"] = ref_local
-    promisable = case.promisable_hit
-    if case.spec_tokens:
-        # Under MTP vLLM 0.26.0 keeps no recurrent checkpoint for the last full block before
-        # the running one, and its own prefix cache misses it too: no connector that copies
-        # vLLM's blocks can promise more than vLLM's own hit, cut to a chunk boundary.
-        repeat = reference if case.turn == 2 else (cold.get("repeat") or {})
-        own = connector_hit(repeat)[1]
-        out["vllm_prefix_cache_hit"] = own
-        if own:
-            promisable = min(promisable, own // case.chunk * case.chunk)
-        else:
-            out["errors"].append("vLLM's own prefix cache hit nothing: no bound for (c) under MTP")
+    promisable = promised_hit(case, out.get("reference_prefix_cache_hit"))
+    if promisable is None:
+        out["errors"].append("vLLM's own prefix cache hit nothing: no bound for (c) under MTP")
     restore_runs, cold_runs, timing_problems = d_timings(restore)
     if not refused:  # a refused layout's repeats miss too, as they must
         out["errors"] += timing_problems
@@ -644,7 +669,7 @@ def evaluate_case(
         prompt_tokens=p,
         hit_tokens=hit,
         hit_pct=round(100.0 * hit / p, 2),
-        required_hit=required_hit(p, case.chunk, promisable=promisable),
+        required_hit=required_hit(p, case.chunk, promisable=promisable or 0),
         restore_s=median(restore_runs),
         restore_runs_s=restore_runs,
         cold_s=cold.get("ttft_s"),
@@ -1228,8 +1253,6 @@ def engine_spec(
         spec["kv_cache_memory_bytes"] = rc.kv_cache_memory_bytes
     if case.spec_tokens:
         spec["speculative_config"] = {"method": "mtp", "num_speculative_tokens": case.spec_tokens}
-    if role == "cold" and case.spec_tokens and case.turn == 1:
-        spec["repeat_prompt"] = True  # vLLM's own prefix-cache hit: (c)'s bound under MTP
     if role == "cold" and case.turn == 2:
         # vLLM's own prefix cache is turn 2's reference: this engine runs turn 1, then turn 2.
         spec["turn2_question"] = list(TURN2_QUESTION)
@@ -1588,7 +1611,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="REPORT",
         help="print the full matrix from these JSON reports of both arms, oldest first (no GPU)",
     )
+    ap.add_argument("--rejudge", type=Path, metavar="REPORT", help="(c) by today's rules (no GPU)")
     a = ap.parse_args(argv)
+    if a.rejudge:
+        report = rejudge(json.loads(a.rejudge.read_text()))
+        a.out.mkdir(parents=True, exist_ok=True)
+        write_report(report, a.out / f"{a.rejudge.stem}-rejudged")
+        print(markdown_report(report), end="")
+        return 0
     if a.matrix:
         try:
             print(matrix_report([json.loads(p.read_text()) for p in a.matrix], a.tp), end="")
