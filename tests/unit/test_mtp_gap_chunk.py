@@ -36,8 +36,10 @@ CHUNK = 2 * BLOCK
 
 def _vllm_split(req, budget: int, use_eagle: bool) -> int:
     """How many prompt tokens vLLM's scheduler runs next (its own function)."""
-    sched = SimpleNamespace(
+    sched = SimpleNamespace(  # what the rule reads of its Scheduler in vLLM 0.26-0.28
         cache_config=SimpleNamespace(block_size=BLOCK),
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+        max_num_scheduled_tokens=budget,
         use_eagle=use_eagle,
         hash_block_size=BLOCK,
         mamba_partial_cache_hit=False,
