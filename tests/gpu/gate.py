@@ -584,29 +584,33 @@ def connector_hit(result: dict[str, Any]) -> tuple[int, int]:
     return int(ext or 0), int(local or 0)
 
 
-def promised_hit(case: Case, reference_hit: int | None) -> int | None:
-    """(c)'s promise; for turn 2 under MTP at most vLLM's own prefix-cache hit, cut to a chunk
-    (decode steps of 1 + K tokens skip block boundaries). None: no such hit to bound it."""
-    if not (case.spec_tokens and case.turn == 2):
-        return case.promisable_hit
-    if not reference_hit:
-        return None
-    return min(case.promisable_hit, reference_hit // case.chunk * case.chunk)
+def judge_c(out: dict[str, Any], case: Case) -> None:
+    """(c): the hit against ``Case.promisable_hit``, for turn 2 under MTP at most vLLM's own
+    prefix-cache hit cut to a chunk (decode steps of 1 + K tokens skip block boundaries)."""
+    promise, own = case.promisable_hit, out.get("reference_prefix_cache_hit")
+    if case.spec_tokens and case.turn == 2:
+        promise = min(promise, own // case.chunk * case.chunk) if own else 0
+        if not own:
+            out["errors"].append("vLLM's own prefix cache hit nothing: no bound for (c) under MTP")
+    out["required_hit"] = required_hit(out["prompt_tokens"], case.chunk, promise)
+    out["c"] = out["hit_tokens"] > 0 and out["hit_tokens"] >= out["required_hit"]
+
+
+def passes(ev: dict[str, Any]) -> bool:
+    """No error and (a)-(e), or (b) (c) (e) for a layout the server refuses."""
+    return not ev["errors"] and all(ev[k] for k in ("bce" if ev.get("refused") else "abcde"))
 
 
 def rejudge(report: dict[str, Any]) -> dict[str, Any]:
-    """A report's cases with (c) judged against today's ``promised_hit``; (a), (b), (d) and
-    (e) stay as recorded (the report keeps no KV hashes)."""
+    """A report with (c) judged by today's ``judge_c``, (a) (b) (d) (e) as recorded (it keeps
+    no KV hashes), less the engines' results (the original keeps them)."""
     for rec in report["cases"]:
-        ev = rec["eval"]
+        ev, _ = rec["eval"], rec.pop("engines", None)
         if not ev.get("completed") or ev.get("refused"):
             continue
-        case = select_cases(rec["case"], rec.get("tp", 1))[0]
-        promise = promised_hit(case, ev.get("reference_prefix_cache_hit"))
         ev["recorded"] = {k: ev[k] for k in ("required_hit", "c", "pass")}
-        ev["required_hit"] = required_hit(ev["prompt_tokens"], case.chunk, promise or 0)
-        ev["c"] = promise is not None and 0 < ev["hit_tokens"] >= ev["required_hit"]
-        ev["pass"] = not ev["errors"] and all(ev[k] for k in "abcde")
+        judge_c(ev, select_cases(rec["case"], rec.get("tp", 1))[0])
+        ev["pass"] = passes(ev)
     report["rejudged"] = _dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
     return report
 
@@ -652,9 +656,6 @@ def evaluate_case(
     if case.turn == 2:
         _, ref_local = connector_hit(reference)
         out["reference_prefix_cache_hit"] = ref_local
-    promisable = promised_hit(case, out.get("reference_prefix_cache_hit"))
-    if promisable is None:
-        out["errors"].append("vLLM's own prefix cache hit nothing: no bound for (c) under MTP")
     restore_runs, cold_runs, timing_problems = d_timings(restore)
     if not refused:  # a refused layout's repeats miss too, as they must
         out["errors"] += timing_problems
@@ -669,7 +670,6 @@ def evaluate_case(
         prompt_tokens=p,
         hit_tokens=hit,
         hit_pct=round(100.0 * hit / p, 2),
-        required_hit=required_hit(p, case.chunk, promisable=promisable or 0),
         restore_s=median(restore_runs),
         restore_runs_s=restore_runs,
         cold_s=cold.get("ttft_s"),
@@ -685,9 +685,10 @@ def evaluate_case(
         health_ok=bool(health.get("ok")),
         health_matches_cold=health.get("tokens") == cold.get("health", {}).get("tokens"),
     )
+    judge_c(out, case)
     if refused:
         out.update(a=None, b=out["tokens_match"] and lp_ok, c=hit == 0, d=None, e=out["health_ok"])
-        out["pass"] = not out["errors"] and all(out[k] for k in "bce")
+        out["pass"] = passes(out)
         return out
     if hit == 0:
         # Nothing was restored: equal bytes and tokens would only show that a recompute
@@ -698,14 +699,13 @@ def evaluate_case(
         out["bytes_match"] = kv["match"] = None
     out["a"] = bool(kv["match"])
     out["b"] = out["tokens_match"] and lp_ok
-    out["c"] = hit > 0 and hit >= out["required_hit"]
     # (d) against the cold prefills timed in the restore engine itself, interleaved with its
     # restores and under the same load, when there are any (medians of each side); the
     # separate cold engine ran at another time.
     baseline = out["cold_same_engine_s"] or out["cold_s"]
     out["d"] = out["restore_s"] is not None and baseline is not None and out["restore_s"] < baseline
     out["e"] = out["health_ok"]
-    out["pass"] = not out["errors"] and all(out[k] for k in "abcde")
+    out["pass"] = passes(out)
     return out
 
 
