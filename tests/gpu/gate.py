@@ -380,11 +380,11 @@ class Case:
         """Tokens turn 1 generates: NEW_TOKENS, or for a turn-2 case at least two chunks,
         ending so that turn 1's KV (prompt + answer - 1 tokens) reaches N/2 tokens past a
         chunk boundary: vLLM's own prefix cache (full blocks) and a chunk-aligned restore
-        then resume turn 2 from the same token, and both engines recompute the same tail."""
+        then resume turn 2 from the same token (MTP: 3N/2, vLLM's hit is a block shorter)."""
         if self.turn == 1:
             return NEW_TOKENS
         n, c, p = self.geometry.block_size, self.chunk, self.prompt_tokens
-        return 2 * c + (n // 2 - (p - 1 + 2 * c)) % c
+        return 2 * c + (n // 2 + n * bool(self.spec_tokens) - (p - 1 + 2 * c)) % c
 
     @property
     def turn2_prompt_tokens(self) -> int:

@@ -102,3 +102,13 @@ def test_the_server_advertises_its_layout_format():
 
     assert server_layout_format(["transfer_query", server_marker()]) == LAYOUT_FORMAT
     assert server_layout_format(["transfer_query"]) == 0
+
+
+@pytest.mark.feature
+def test_the_server_says_it_stores_a_chunk_without_its_recurrent_state():
+    from lmcache.v1.distributed.layout_namespace import FA_ONLY_CHUNKS_MARKER
+    from lmcache.v1.multiprocess.modules.management import ManagementModule
+
+    module = ManagementModule(ctx=None, experimental_transfer=["transfer_query"])
+    assert FA_ONLY_CHUNKS_MARKER in module.get_experimental()
+

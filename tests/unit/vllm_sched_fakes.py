@@ -88,10 +88,14 @@ def this_build_experimental() -> list[str]:
 
 class FakeSchedulerAdapter:
     """Stands in for LMCacheMPSchedulerAdapter: no server; lookups answer ``hits``.
-    ``server_layout_format`` is what the server advertises (0: a pristine server)."""
+    ``server_layout_format`` is what the server advertises (0: a pristine server);
+    ``fa_only_chunks``: whether it stores a chunk without its recurrent state."""
 
-    def __init__(self, chunk: int, server_layout_format: int | None = None) -> None:
+    def __init__(
+        self, chunk: int, server_layout_format: int | None = None, fa_only_chunks: bool = False
+    ) -> None:
         self.lmcache_tokens_per_chunk = chunk
+        self.servers_store_fa_only_chunks = fa_only_chunks
         self.hits: dict[str, int] = {}
         if server_layout_format is None:
             server_layout_format = this_build_layout_format()
@@ -152,12 +156,13 @@ def make_connector(
     chunk: int,
     monkeypatch: pytest.MonkeyPatch,
     server_layout_format: int | None = None,
+    fa_only_chunks: bool = False,
 ) -> Any:
     """The real scheduler-side LMCacheMPConnector, built by its real __init__."""
     monkeypatch.setattr(
         mpc,
         "LMCacheMPSchedulerAdapter",
-        lambda **_: FakeSchedulerAdapter(chunk, server_layout_format),
+        lambda **_: FakeSchedulerAdapter(chunk, server_layout_format, fa_only_chunks),
     )
     monkeypatch.setattr(mpc, "print_banner_once", lambda *_: None)
     vllm_config = _fake_vllm_config(BLOCK, kv_cache_config.has_mamba_layers)
