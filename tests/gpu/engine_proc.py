@@ -286,9 +286,10 @@ def restore_timeline(
     t0: float, ttft: float, lookups: list[dict[str, Any]], steps: list[dict[str, float]]
 ) -> dict[str, Any]:
     """Where a restore's TTFT went: wait_for_hit, until the first lookup that returned tokens
-    (LMCache read L2 until then); after_hit, the load into vLLM, the tail and the first token."""
+    (LMCache read L2 until then); after_hit (its 5 longest steps), the load, tail, first token."""
     answered = [c for c in lookups if c["tokens"] is not None]
     hit_at = answered[0]["t"] + answered[0]["s"] - t0 if answered else None
+    after = [st["s"] for st in steps if hit_at is not None and st["t"] + st["s"] > t0 + hit_at]
     return {
         "ttft_s": ttft,
         "lookups": len(lookups),
@@ -297,8 +298,7 @@ def restore_timeline(
         "hit_tokens": answered[0]["tokens"] if answered else None,
         "wait_for_hit_s": hit_at,
         "after_hit_s": None if hit_at is None else ttft - hit_at,
-        "steps": len(steps),
-        "longest_step_s": max((st["s"] for st in steps), default=None),
+        "longest_steps_after_hit_s": [round(x, 4) for x in sorted(after, reverse=True)[:5]],
     }
 
 
