@@ -1,4 +1,4 @@
-"""The fs L2 adapter reads the objects of one load task concurrently (patches 0005 and 0006).
+"""The fs L2 adapter reads the objects of one load task concurrently (patches 0005, 0006, 0028).
 
 A restore's prefetch is one load task over every chunk of the prompt. Pristine 0.5.3 reads them
 one file after another, and with patch 0006's trailer check each file's hash ran on the event
@@ -70,6 +70,25 @@ def test_one_load_task_reads_several_objects_at_once(adapter, monkeypatch):
     hits, _ = load(adapter, keys, len(PAYLOADS[0]))
     assert hits == [True] * N_OBJECTS
     assert reads.most >= 2, "the adapter read the objects of one load task one at a time"
+
+
+@pytest.mark.feature
+def test_one_load_task_keeps_sixteen_reads_in_flight(adapter, monkeypatch):
+    # 0.5.3 reads one file at a time; revision 6 (patch 0005) read four, which left a
+    # page-cache restore at a third of what parallel reads reach (patch 0028's header).
+    from lmcache.v1.distributed.api import ObjectKey
+
+    keys = [
+        ObjectKey(chunk_hash=i.to_bytes(2, "big") * 8, model_name="dense", kv_rank=0)
+        for i in range(40)
+    ]
+    payloads = [bytes([i + 1]) * 4096 for i in range(40)]
+    store(adapter, keys, payloads)
+    reads = OpenReads()
+    monkeypatch.setattr(aiofiles, "open", reads.open)
+    hits, _ = load(adapter, keys, 4096)
+    assert hits == [True] * 40
+    assert reads.most >= 16, f"at most {reads.most} object files were read at once"
 
 
 def test_concurrent_load_keeps_every_object_in_its_own_buffer(adapter, tmp_path):
