@@ -166,6 +166,20 @@ def test_a_flake_failing_more_often_than_on_pristine_fails_the_run(
     assert [r["id"] for r in summary["regressions"]] == [FLAKY]  # type: ignore[attr-defined]
 
 
+def test_a_race_that_failed_every_rerun_is_judged_by_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 1st run, 2 reruns and 2 confirms fail, pristine passed once; then both builds fail
+    # the rate rounds alike
+    patched = ["failed"] * 5 + ["passed", "failed"]
+    pristine = ["passed", "passed", "failed"]
+    rc, summary = cpu_run(
+        tmp_path, monkeypatch, {FLAKY: {"patched": patched, "pristine": pristine}}
+    )
+    assert rc == 0
+    assert summary["regressions"] == []
+
+
 def test_a_rare_flake_also_seen_on_pristine_is_reported_not_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
