@@ -52,12 +52,12 @@ class OpenReads:
                     self.reads.now -= 1
 
 
-def _keys() -> list[Any]:
+def _keys(n: int = N_OBJECTS) -> list[Any]:
     from lmcache.v1.distributed.api import ObjectKey
 
     return [
         ObjectKey(chunk_hash=bytes([i + 1]) * 16, model_name="dense", kv_rank=0)
-        for i in range(N_OBJECTS)
+        for i in range(n)
     ]
 
 
@@ -76,12 +76,7 @@ def test_one_load_task_reads_several_objects_at_once(adapter, monkeypatch):
 def test_one_load_task_keeps_sixteen_reads_in_flight(adapter, monkeypatch):
     # 0.5.3 reads one file at a time; revision 6 (patch 0005) read four, which left a
     # page-cache restore at a third of what parallel reads reach (patch 0028's header).
-    from lmcache.v1.distributed.api import ObjectKey
-
-    keys = [
-        ObjectKey(chunk_hash=i.to_bytes(2, "big") * 8, model_name="dense", kv_rank=0)
-        for i in range(40)
-    ]
+    keys = _keys(40)
     payloads = [bytes([i + 1]) * 4096 for i in range(40)]
     store(adapter, keys, payloads)
     reads = OpenReads()

@@ -645,17 +645,17 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     pristine_hist, confirm_hist, pristine_runs = compare_with_pristine(args, persistent)
     for nid, hist in confirm_hist.items():
         patched_hist[nid].extend(hist)
-    regressions, pristine_fail, confirmed_flaky = classify(persistent, pristine_hist, confirm_hist)
+    suspects, pristine_fail, confirmed_flaky = classify(persistent, pristine_hist, confirm_hist)
     skipped = sorted(n for n, o in first.outcomes.items() if o == "skipped")
     skip_hist, skip_runs = rerun(
         args.python, args.pristine, args.work, "pristine-skipped", skipped, 1, args.wall_timeout
     )
     skip_only = sorted(n for n in skipped if "passed" in skip_hist[n])
-    rate_ids = sorted(regressions + flaky + confirmed_flaky + skip_only)
+    rate_ids = sorted(suspects + flaky + confirmed_flaky + skip_only)
     rate_patched, rate_pristine, rate_runs = measure_rates(args, rate_ids)
     by_rate, rates = compare_rates(rate_ids, rate_patched, rate_pristine)
     regressions = sorted(by_rate)
-    flaky = sorted(n for n in flaky + confirmed_flaky if n not in by_rate)
+    flaky = sorted(n for n in suspects + flaky + confirmed_flaky if n not in by_rate)
     unlisted = [n for n in pristine_fail if match_known(n, known) is None]
     flaky_unlisted = [n for n in flaky if match_known(n, known) is None]
     scope = targets if args.select else ["tests"]
