@@ -382,10 +382,12 @@ HEADER = (
 
 
 def markdown_report(results: dict[str, Any]) -> str:
-    run = (results.get("runs") or [{}])[-1]
+    runs = results.get("runs") or [{}]
+    run = runs[-1]
     lines = [
         f"# GPU restore bench ({results.get('created')})",
         "",
+        f"- runs: {', '.join(str(r.get('started')) for r in runs)} (the last one's machine below)",
         f"- hardware: {run.get('hardware')}",
         f"- versions: {run.get('versions')}",
         f"- L2 filesystem: {run.get('l2_fs')}; /dev/shm free GB: {run.get('dev_shm_gb')}",
@@ -672,6 +674,9 @@ class Bench:
 
 def run(a: argparse.Namespace) -> int | str:
     results, arms = new_results(), a.arms.split(",")
+    if a.resume and a.results.exists():
+        results = json.loads(a.results.read_text())
+    done = {k for k, r in results["rows"].items() if r.get("ok")}  # --resume keeps these
     parts = (c.strip().partition(":") for c in a.cases.split(",") if c.strip())
     cases = list(dict.fromkeys((m, LENGTHS.get(x) or int(x)) for m, _, x in parts))  # in order
     if unknown := {model for model, _ in cases} - set(MODELS):
@@ -705,14 +710,15 @@ def run(a: argparse.Namespace) -> int | str:
     bench.save()
     for i, (model, p) in enumerate(cases):
         m = MODELS[model]
-        if "cold" in arms and model not in {k for k, _ in cases[:i]}:  # one engine, all lengths
-            bench.cold_phase(m, sorted(q for k, q in cases if k == model))
+        colds = sorted(q for k, q in cases if k == model and row_key(k, q, "cold") not in done)
+        if "cold" in arms and colds and model not in {k for k, _ in cases[:i]}:  # one engine
+            bench.cold_phase(m, colds)
         for group, lmc in (  # pagecache and default share a store, pagecache first
             (("pagecache", "default"), a.lmcache_dir),
             (("offloading",), None),
             (("lmcache056",), a.l056_dir),
         ):
-            if todo := [x for x in group if x in arms]:
+            if todo := [x for x in group if x in arms and row_key(model, p, x) not in done]:
                 bench.restore_phase(m, p, todo, lmc)
     print(markdown_report(results))
     return 0
@@ -727,6 +733,9 @@ def main(argv: Sequence[str] | None = None) -> int | str:
     ap.add_argument("--results", type=Path, default=REPO / "results" / "bench-gpu.json")
     ap.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-bench"), help="L2 tiers, logs")
     ap.add_argument("--time-limit-s", type=float, default=0, help="end the run after this many s")
+    ap.add_argument(
+        "--resume", action="store_true", help="add to --results: rows it holds that are ok stay"
+    )
     ap.add_argument("--engine-timeout", type=float, default=900.0)
     a = ap.parse_args(argv)
     a.lmcache_dir = a.lmcache_dir.resolve()

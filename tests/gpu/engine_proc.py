@@ -286,10 +286,15 @@ def restore_timeline(
     t0: float, ttft: float, lookups: list[dict[str, Any]], steps: list[dict[str, float]]
 ) -> dict[str, Any]:
     """Where a restore's TTFT went: wait_for_hit, until the first lookup that returned tokens
-    (LMCache read L2 until then); after_hit (its 5 longest steps), the load, tail, first token."""
+    (LMCache read L2 until then); after_hit, the load, the tail's prefill and the first token,
+    with each engine step from the hit to the first token as [start after t0, seconds]."""
     answered = [c for c in lookups if c["tokens"] is not None]
     hit_at = answered[0]["t"] + answered[0]["s"] - t0 if answered else None
-    after = [st["s"] for st in steps if hit_at is not None and st["t"] + st["s"] > t0 + hit_at]
+    after = [
+        [round(st["t"] - t0, 4), round(st["s"], 4)]
+        for st in steps
+        if hit_at is not None and st["t"] + st["s"] > t0 + hit_at and st["t"] < t0 + ttft
+    ]
     return {
         "ttft_s": ttft,
         "lookups": len(lookups),
@@ -298,7 +303,7 @@ def restore_timeline(
         "hit_tokens": answered[0]["tokens"] if answered else None,
         "wait_for_hit_s": hit_at,
         "after_hit_s": None if hit_at is None else ttft - hit_at,
-        "longest_steps_after_hit_s": [round(x, 4) for x in sorted(after, reverse=True)[:5]],
+        "steps_after_hit": after,
     }
 
 

@@ -429,3 +429,32 @@ def test_engine_proc_probes_the_wall_clock_and_the_bytes_read_from_storage() -> 
     probe = engine_proc._request_probe()
     assert before <= probe["epoch"] <= time.time()
     assert probe["read_bytes"] is None or probe["read_bytes"] >= 0
+
+
+def test_resume_measures_only_the_rows_that_are_missing_or_not_ok(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p, q, calls = 2 * N + 100, 4 * N + 100, []
+    old = bench.new_results()
+    old["runs"] = [{"started": "earlier"}]
+    for length, arm, ok in ((p, "cold", True), (p, "pagecache", True), (p, "default", False)):
+        key = bench.row_key(TINY.name, length, arm)
+        old["rows"][key] = {"model": TINY.name, "prompt_tokens": length, "arm": arm, "ok": ok}
+    args = _args(tmp_path, resume=True, cases=f"{TINY.name}:{p},{TINY.name}:{q}", l056_dir=None)
+    args.arms = "cold,default,pagecache"
+    args.results.write_text(json.dumps(old))
+    monkeypatch.setattr(gate, "collect_environment", lambda py, lmc: {"versions": {}})
+    monkeypatch.setattr(gate, "arm_problem", lambda *a: None)
+    monkeypatch.setattr(bench, "disk_probe", lambda folder: {})
+    monkeypatch.setattr(bench, "pinned_probe", lambda py: {})
+    monkeypatch.setattr(bench.fs_l2_read, "machine", lambda path: {})
+    monkeypatch.setattr(bench.Bench, "cold_phase", lambda self, m, ls: calls.append(("cold", ls)))
+    monkeypatch.setattr(
+        bench.Bench,
+        "restore_phase",
+        lambda self, m, length, arms, lmc=None: calls.append((length, arms)),
+    )
+    assert bench.run(args) == 0
+    assert calls == [("cold", [q]), (p, ["default"]), (q, ["pagecache", "default"])]
+    saved = json.loads(args.results.read_text())
+    assert [r["started"] for r in saved["runs"]][0] == "earlier" and len(saved["runs"]) == 2

@@ -679,11 +679,12 @@ def test_restore_timeline_splits_ttft_at_the_first_answered_lookup() -> None:
         {"t": 101.00, "s": 0.002, "tokens": 4800},
     ]
     steps = [{"t": 100.0, "s": 0.3}, {"t": 100.5, "s": 0.01}, {"t": 101.0, "s": 0.2}]
+    steps.append({"t": 101.6, "s": 0.04})  # a decode step, after the first token
     tl = engine_proc.restore_timeline(100.0, 1.5, lookups, steps)
     assert tl["lookups"] == 3 and tl["lookups_unanswered"] == 2 and tl["hit_tokens"] == 4800
     assert tl["wait_for_hit_s"] == pytest.approx(1.002)
     assert tl["after_hit_s"] == pytest.approx(0.498)
-    assert tl["longest_steps_after_hit_s"] == [0.2]
+    assert tl["steps_after_hit"] == [[1.0, 0.2]]
 
 
 def test_restore_timeline_without_an_answer() -> None:
