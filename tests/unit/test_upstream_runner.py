@@ -157,8 +157,8 @@ def test_rerun_goes_on_after_a_skip(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_a_flake_failing_more_often_than_on_pristine_fails_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 1st run, 1 rerun that passes, then rate rounds 2/5 failed; pristine never fails
-    patched = ["failed", "passed", "failed", "passed", "failed", "passed"]
+    # 1st run, 1 rerun that passes, then rate rounds 2/5 failed, twice; pristine never fails
+    patched = ["failed", "passed", *["failed", "passed", "failed", "passed", "passed"] * 2]
     rc, summary = cpu_run(
         tmp_path, monkeypatch, {FLAKY: {"patched": patched, "pristine": ["passed"]}}
     )
@@ -229,7 +229,7 @@ def test_a_test_skipping_on_both_builds_is_fine(
 def test_gpu_mode_compares_a_flake_with_pristine_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    patched = ["failed", "passed", "failed", "failed", "passed"]
+    patched = ["failed", "passed", "failed", "failed", "failed"]  # the last one repeats
     suite = FakeSuite(tmp_path, {FLAKY: {"patched": patched, "pristine": ["passed"]}})
     monkeypatch.setattr(runner, "run_pytest", suite.run_pytest)
     monkeypatch.setattr(runner, "preflight", lambda python, build, work: "")
@@ -240,3 +240,35 @@ def test_gpu_mode_compares_a_flake_with_pristine_too(
     summary: dict[str, object] = {}
     assert runner.gpu_mode(args, ["tests"], summary) == 1
     assert summary["regressions"] == [FLAKY]
+
+
+def _rounds(monkeypatch: pytest.MonkeyPatch, batches: list[dict[str, list[str]]]) -> list[list]:
+    """measure_rates that returns ``batches`` in turn, as (patched, pristine) of each id."""
+    calls: list[list] = []
+
+    def measure(args: object, ids: list[str]) -> tuple[dict, dict, list]:
+        calls.append(list(ids))
+        got = batches[len(calls) - 1]
+        return {n: list(got[n][0]) for n in ids}, {n: list(got[n][1]) for n in ids}, []
+
+    monkeypatch.setattr(runner, "measure_rates", measure)
+    return calls
+
+
+def test_a_chance_gap_in_the_rate_rounds_is_measured_again_and_cleared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    chance = (["failed"] * 4 + ["passed"] * 6, ["passed"] * 10)  # 4/10 against 0/10
+    even = (["failed"] * 2 + ["passed"] * 8, ["failed"] * 2 + ["passed"] * 8)
+    calls = _rounds(monkeypatch, [{"t::a": chance}, {"t::a": even}])
+    regressions, [record], _ = runner.judge_by_rate(argparse.Namespace(), ["t::a"])
+    assert calls == [["t::a"], ["t::a"]] and regressions == []
+    assert record["patched_not_passed"] == "6/20" and record["pristine_not_passed"] == "2/20"
+
+
+def test_a_real_regression_stays_one_after_the_second_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    broken = (["failed"] * 10, ["passed"] * 10)
+    _rounds(monkeypatch, [{"t::a": broken}, {"t::a": broken}])
+    assert runner.judge_by_rate(argparse.Namespace(), ["t::a"])[0] == ["t::a"]
