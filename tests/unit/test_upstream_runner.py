@@ -272,3 +272,12 @@ def test_a_real_regression_stays_one_after_the_second_rounds(
     broken = (["failed"] * 10, ["passed"] * 10)
     _rounds(monkeypatch, [{"t::a": broken}, {"t::a": broken}])
     assert runner.judge_by_rate(argparse.Namespace(), ["t::a"])[0] == ["t::a"]
+
+
+def test_a_test_changed_by_the_series_gets_no_second_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    changed = (["failed"] * 10, ["passed"] * 10)
+    calls = _rounds(monkeypatch, [{"t::a": changed}])
+    got = runner.judge_by_rate(argparse.Namespace(), ["t::a"], [_entry("t::a")])
+    assert got[0] == ["t::a"] and calls == [["t::a"]]

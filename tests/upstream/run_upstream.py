@@ -599,16 +599,18 @@ def measure_rates(
 
 
 def judge_by_rate(
-    args: argparse.Namespace, ids: list[str]
+    args: argparse.Namespace, ids: list[str], changed: list[Known] | None = None
 ) -> tuple[list[str], list[dict[str, object]], list[Run]]:
     """measure_rates, then compare_rates. A test the rounds call a regression gets as many
     rounds again and is judged on all of them: with a dozen flaky tests in one run, a gap that
-    equal rates reach by chance for one of them in 0.5-6% of runs would fail many runs."""
+    equal rates reach by chance for one of them in 0.5-6% of runs would fail many runs. Tests
+    of ``changed`` (changed by the series on purpose) are expected regressions: not again."""
     patched, pristine, runs = measure_rates(args, ids)
     regressions, records = compare_rates(ids, patched, pristine)
-    if regressions:
-        more_patched, more_pristine, more_runs = measure_rates(args, regressions)
-        for nid in regressions:
+    again = [n for n in regressions if match_known(n, changed or []) is None]
+    if again:
+        more_patched, more_pristine, more_runs = measure_rates(args, again)
+        for nid in again:
             patched[nid] += more_patched[nid]
             pristine[nid] += more_pristine[nid]
         runs += more_runs
@@ -671,7 +673,7 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     )
     skip_only = sorted(n for n in skipped if "passed" in skip_hist[n])
     rate_ids = sorted(suspects + flaky + confirmed_flaky + skip_only)
-    by_rate, rates, rate_runs = judge_by_rate(args, rate_ids)
+    by_rate, rates, rate_runs = judge_by_rate(args, rate_ids, changed)
     regressions = sorted(by_rate)
     flaky = sorted(n for n in suspects + flaky + confirmed_flaky if n not in by_rate)
     unlisted = [n for n in pristine_fail if match_known(n, known) is None]
