@@ -333,7 +333,28 @@ def evaluate_targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             "detail": f"{TARGET_MODEL}, {p} tokens: {detail}",
         }
         out.append(target)
+    for p in LENGTHS.values():
+        if row_key(TARGET_MODEL, p, "default") in rows:
+            out.append(peer_target(rows, p))
     return out
+
+
+def peer_target(rows: dict[str, dict[str, Any]], p: int) -> dict[str, Any]:
+    """This wheel's default server restores faster than the OffloadingConnector at ``p`` tokens,
+    and correctly; a peer that restored wrong state or nothing cannot beat it."""
+    ours = rows[row_key(TARGET_MODEL, p, "default")]
+    peer = rows.get(row_key(TARGET_MODEL, p, "offloading")) or {}
+    mine, theirs = ours.get("restore_ttft_s"), peer.get("restore_ttft_s")
+    value = theirs / mine if mine and theirs else None
+    beaten = peer.get("ok") is not None and not peer.get("correct")  # ran, restored wrong or none
+    return {
+        "target": f"default_faster_than_offloading_{p // 1024}k",
+        "value": value,
+        "threshold": 1.0,
+        "met": bool(ours.get("correct")) and (beaten or (value is not None and value > 1.0)),
+        "detail": f"{TARGET_MODEL}, {p} tokens: OffloadingConnector / default median TTFT"
+        + ("; the OffloadingConnector's restore was not correct" if beaten else ""),
+    }
 
 
 def summarize(results: dict[str, Any]) -> None:
@@ -436,7 +457,7 @@ def new_results() -> dict[str, Any]:
 
 
 def write_results(results: dict[str, Any], path: Path) -> None:
-    """<stem>.json, <stem>.md and, where matplotlib imports, <stem>-ttft.png."""
+    """<stem>.json, <stem>.md and, where matplotlib imports, <stem>-ttft.png and -gbps.png."""
     summarize(results)
     path.parent.mkdir(parents=True, exist_ok=True)
     gate.write_json_md(path.with_suffix(""), results, markdown_report(results))
@@ -444,7 +465,8 @@ def write_results(results: dict[str, Any], path: Path) -> None:
 
 
 def plot_ttft(results: dict[str, Any], path: Path) -> None:
-    """<stem>-ttft.png: TTFT per model and arm against prompt length, where matplotlib imports."""
+    """<stem>-ttft.png: TTFT per model and arm against prompt length; <stem>-gbps.png: each
+    bounded row's bytes read per second of TTFT against its bound. Where matplotlib imports."""
     try:
         import matplotlib
 
@@ -465,6 +487,21 @@ def plot_ttft(results: dict[str, Any], path: Path) -> None:
     ax.set(xscale="log", yscale="log", xlabel="prompt (k tokens)", ylabel="TTFT (s)")
     ax.legend(fontsize=7)
     fig.savefig(path.with_name(f"{path.stem}-ttft.png"), dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    bounded = [r for r in sorted(results["rows"].values(), key=sort_key) if r.get("disk_bound")]
+    if not bounded:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, len(bounded)), 4.5))
+    labels = [f"{r['arm']}\n{r['prompt_tokens'] // 1024}k" for r in bounded]
+    got = [r["disk_bound"]["read_bytes"] / r["disk_bound"]["restore_s"] / GB for r in bounded]
+    bound = [r["disk_bound"]["read_bytes"] / r["disk_bound"]["bound_s"] / GB for r in bounded]
+    x = range(len(bounded))
+    ax.bar([i - 0.2 for i in x], bound, 0.4, label="bound: bytes / (read + pinned H2D)")
+    ax.bar([i + 0.2 for i in x], got, 0.4, label="restore: bytes read / TTFT")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set(ylabel="GB/s", title=f"{TARGET_MODEL}: L2 bytes per second of restore TTFT")
+    ax.legend(fontsize=7)
+    fig.savefig(path.with_name(f"{path.stem}-gbps.png"), dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -7,6 +7,7 @@ import argparse
 import inspect
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +294,34 @@ def test_the_default_servers_disk_bound_is_a_target_at_each_length_it_ran() -> N
     rows = {bench.row_key(bench.TARGET_MODEL, 8192, "default"): row}
     t = next(t for t in bench.evaluate_targets(rows) if t["target"] == "default_bound_8k")
     assert t["met"] and t["threshold"] == 0.8
+
+
+def _restored(ttft: float, correct: bool = True) -> dict[str, Any]:
+    return {"ok": True, "correct": correct, "restore_ttft_s": ttft}
+
+
+def test_the_default_server_must_restore_faster_than_the_offloading_connector() -> None:
+    key = partial(bench.row_key, bench.TARGET_MODEL, 8192)
+    rows = {key("default"): _restored(0.5), key("offloading"): _restored(0.4)}
+    t = next(t for t in bench.evaluate_targets(rows) if t["target"].startswith("default_faster"))
+    assert t["target"] == "default_faster_than_offloading_8k"
+    assert t["value"] == pytest.approx(0.8) and not t["met"]
+    rows[key("offloading")] = _restored(1.0)
+    assert bench.peer_target(rows, 8192)["met"]
+
+
+def test_an_offloading_connector_that_restored_wrong_state_loses_to_a_correct_restore() -> None:
+    key = partial(bench.row_key, bench.TARGET_MODEL, 26624)
+    rows = {key("default"): _restored(2.0), key("offloading"): _restored(1.0, correct=False)}
+    t = bench.peer_target(rows, 26624)
+    assert t["met"] and "was not correct" in t["detail"]
+    rows[key("default")]["correct"] = False
+    assert not bench.peer_target(rows, 26624)["met"]
+
+
+def test_no_offloading_row_misses_the_peer_target() -> None:
+    rows = {bench.row_key(bench.TARGET_MODEL, 8192, "default"): _restored(0.5)}
+    assert not bench.peer_target(rows, 8192)["met"]
 
 
 def test_the_report_holds_the_top_level_fields_and_a_row_per_arm(tmp_path: Path) -> None:
