@@ -190,8 +190,9 @@ def test_a_rare_flake_also_seen_on_pristine_is_reported_not_failed(
     )
     assert rc == 0
     [flaky] = summary["flaky_on_patched"]  # type: ignore[misc]
-    assert flaky["rate_rounds"]["patched_not_passed"] == "1/5"
-    assert flaky["rate_rounds"]["pristine_not_passed"] == "1/5"
+    # 1/4 against 1/4: a fifth round cannot make the gap 2/5, so there is none
+    assert flaky["rate_rounds"]["patched_not_passed"] == "1/4"
+    assert flaky["rate_rounds"]["pristine_not_passed"] == "1/4"
 
 
 def test_skipping_on_patched_while_passing_on_pristine_fails_the_run(
@@ -243,13 +244,20 @@ def test_gpu_mode_compares_a_flake_with_pristine_too(
 
 
 def _rounds(monkeypatch: pytest.MonkeyPatch, batches: list[dict[str, list[str]]]) -> list[list]:
-    """measure_rates that returns ``batches`` in turn, as (patched, pristine) of each id."""
+    """measure_rates that returns ``batches`` in turn, as (patched, pristine) of each id,
+    added to ``prior`` where it is given."""
     calls: list[list] = []
 
-    def measure(args: object, ids: list[str]) -> tuple[dict, dict, list]:
+    def measure(
+        args: object, ids: list[str], planned: int = 0, prior: tuple | None = None
+    ) -> tuple[dict, dict, list]:
         calls.append(list(ids))
         got = batches[len(calls) - 1]
-        return {n: list(got[n][0]) for n in ids}, {n: list(got[n][1]) for n in ids}, []
+        patched, pristine = prior or ({}, {})
+        for n in ids:
+            patched[n] = patched.get(n, []) + list(got[n][0])
+            pristine[n] = pristine.get(n, []) + list(got[n][1])
+        return patched, pristine, []
 
     monkeypatch.setattr(runner, "measure_rates", measure)
     return calls
@@ -261,7 +269,7 @@ def test_a_chance_gap_in_the_rate_rounds_is_measured_again_and_cleared(
     chance = (["failed"] * 4 + ["passed"] * 6, ["passed"] * 10)  # 4/10 against 0/10
     even = (["failed"] * 2 + ["passed"] * 8, ["failed"] * 2 + ["passed"] * 8)
     calls = _rounds(monkeypatch, [{"t::a": chance}, {"t::a": even}])
-    regressions, [record], _ = runner.judge_by_rate(argparse.Namespace(), ["t::a"])
+    regressions, [record], _ = runner.judge_by_rate(argparse.Namespace(rate_rounds=10), ["t::a"])
     assert calls == [["t::a"], ["t::a"]] and regressions == []
     assert record["patched_not_passed"] == "6/20" and record["pristine_not_passed"] == "2/20"
 
@@ -271,7 +279,7 @@ def test_a_real_regression_stays_one_after_the_second_rounds(
 ) -> None:
     broken = (["failed"] * 10, ["passed"] * 10)
     _rounds(monkeypatch, [{"t::a": broken}, {"t::a": broken}])
-    assert runner.judge_by_rate(argparse.Namespace(), ["t::a"])[0] == ["t::a"]
+    assert runner.judge_by_rate(argparse.Namespace(rate_rounds=10), ["t::a"])[0] == ["t::a"]
 
 
 def test_a_test_changed_by_the_series_gets_no_second_rounds(
@@ -279,5 +287,41 @@ def test_a_test_changed_by_the_series_gets_no_second_rounds(
 ) -> None:
     changed = (["failed"] * 10, ["passed"] * 10)
     calls = _rounds(monkeypatch, [{"t::a": changed}])
-    got = runner.judge_by_rate(argparse.Namespace(), ["t::a"], [_entry("t::a")])
+    got = runner.judge_by_rate(argparse.Namespace(rate_rounds=10), ["t::a"], [_entry("t::a")])
     assert got[0] == ["t::a"] and calls == [["t::a"]]
+
+
+def _rate_args(tmp_path: Path, rounds: int = 10) -> argparse.Namespace:
+    return argparse.Namespace(
+        python="python", lmcache=tmp_path / "patched", pristine=tmp_path / "pristine",
+        work=tmp_path, wall_timeout=60, rate_rounds=rounds,
+    )  # fmt: skip
+
+
+def test_a_test_leaves_the_rate_rounds_once_the_rest_cannot_change_its_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    suite = FakeSuite(tmp_path, {FLAKY: {"patched": ["passed"], "pristine": ["passed"]}})
+    monkeypatch.setattr(runner, "run_pytest", suite.run_pytest)
+    patched, pristine, _ = runner.measure_rates(_rate_args(tmp_path), [FLAKY])
+    assert len(patched[FLAKY]) == len(pristine[FLAKY]) == 7  # 3 more failures make 3/10, not 4
+
+
+def test_a_test_that_could_still_reach_the_gap_runs_every_rate_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    three = ["failed"] * 3 + ["passed"]
+    suite = FakeSuite(tmp_path, {FLAKY: {"patched": three, "pristine": ["passed"]}})
+    monkeypatch.setattr(runner, "run_pytest", suite.run_pytest)
+    patched, _, _ = runner.measure_rates(_rate_args(tmp_path), [FLAKY])
+    assert runner.not_passed(patched[FLAKY]) == 3 and len(patched[FLAKY]) == 10
+
+
+def test_ending_the_rate_rounds_early_never_changes_a_verdict() -> None:
+    n, outcomes = 5, ("passed", "failed")
+    for bits in range(1 << (2 * n)):
+        ours = [outcomes[bits >> i & 1] for i in range(n)]
+        base = [outcomes[bits >> (n + i) & 1] for i in range(n)]
+        k = next(k for k in range(n + 1) if not runner.undecided(ours[:k], base[:k], n))
+        early = runner.compare_rates(["t"], {"t": ours[:k]}, {"t": base[:k]})[0]
+        assert early == runner.compare_rates(["t"], {"t": ours}, {"t": base})[0], (ours, base)

@@ -9,9 +9,11 @@ then passed (flaky), or that skipped on the build under test while passing on pr
 mode), is run --rate-rounds more times on both builds, round by round; it is a regression when
 its not-passed rate on the build under test is at least RATE_GAP_PCT points above pristine's (10
 rounds: 4/10 against 0/10, 5/10 against 1/10, ...) over those rounds and as many again, which
-a test that the first rounds call a regression gets. Skipped or missing counts as not passed, on
-either build. (A free-port race in 0.5.3's bench CLI tests once failed five runs in a row on one
-build and passed the one pristine run; alone it fails on either build now and then.)
+a test that the first rounds call a regression gets. A test leaves the rounds once the rest
+cannot change its verdict (0/7 against 0/7 cannot reach 4/10 against 0/10). Skipped or missing
+counts as not passed, on either build. (A free-port race in 0.5.3's bench CLI tests once failed
+five runs in a row on one build and passed the one pristine run; alone it fails on either build
+now and then.)
 
 A test listed in changed_by_series.txt pins behaviour a patch deliberately changes: it must be a
 regression by the rules above (fail, or skip, on the build where pristine passes), and is
@@ -575,26 +577,44 @@ def compare_with_pristine(
     return pristine, confirm, runs
 
 
+def undecided(ours: list[str], base: list[str], planned: int) -> bool:
+    """Whether the rounds still to come (of ``planned``) can change compare_rates' verdict on
+    a test: its gap could still end on either side of RATE_GAP_PCT."""
+    left = planned - len(ours)
+    gap = not_passed(ours) - not_passed(base)
+    need = Fraction(RATE_GAP_PCT * planned, 100)
+    return gap - left < need <= gap + left
+
+
 def measure_rates(
-    args: argparse.Namespace, ids: list[str]
+    args: argparse.Namespace,
+    ids: list[str],
+    planned: int = 0,
+    prior: tuple[dict[str, list[str]], dict[str, list[str]]] | None = None,
 ) -> tuple[dict[str, list[str]], dict[str, list[str]], list[Run]]:
-    """Run ids once per round on each build, alternating which goes first, for
-    args.rate_rounds rounds: both builds see the same machine load. -> patched, pristine."""
-    patched: dict[str, list[str]] = {n: [] for n in ids}
-    pristine: dict[str, list[str]] = {n: [] for n in ids}
+    """Run ids once per round on each build, alternating which goes first, until each has
+    ``planned`` rounds (default args.rate_rounds; ``prior``: the rounds it has) or the rest
+    cannot change its verdict: both builds see the same tests under the same machine load.
+    -> patched, pristine (including ``prior``)."""
+    planned = planned or args.rate_rounds
+    patched, pristine = prior or ({}, {})
+    for nid in ids:
+        patched.setdefault(nid, [])
+        pristine.setdefault(nid, [])
     arms = [("patched", args.lmcache, patched), ("pristine", args.pristine, pristine)]
     runs: list[Run] = []
-    for round_no in range(1, args.rate_rounds + 1):
-        if not ids:
-            break
+    pending = [n for n in ids if undecided(patched[n], pristine[n], planned)]
+    while pending:
+        round_no = len(patched[pending[0]]) + 1
         for arm, build, history in arms if round_no % 2 else arms[::-1]:
             hist, r = rerun(
-                args.python, build, args.work, f"rate-{arm}-{round_no}", ids, 1,
+                args.python, build, args.work, f"rate-{arm}-{round_no}", pending, 1,
                 args.wall_timeout,
             )  # fmt: skip
             runs += r
             for nid, outcomes in hist.items():
                 history[nid] += outcomes
+        pending = [n for n in pending if undecided(patched[n], pristine[n], planned)]
     return patched, pristine, runs
 
 
@@ -609,10 +629,7 @@ def judge_by_rate(
     regressions, records = compare_rates(ids, patched, pristine)
     again = [n for n in regressions if match_known(n, changed or []) is None]
     if again:
-        more_patched, more_pristine, more_runs = measure_rates(args, again)
-        for nid in again:
-            patched[nid] += more_patched[nid]
-            pristine[nid] += more_pristine[nid]
+        _, _, more_runs = measure_rates(args, again, 2 * args.rate_rounds, (patched, pristine))
         runs += more_runs
         regressions, records = compare_rates(ids, patched, pristine)
     return regressions, records, runs
