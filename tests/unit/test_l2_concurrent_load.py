@@ -56,8 +56,7 @@ def _keys(n: int = N_OBJECTS) -> list[Any]:
     from lmcache.v1.distributed.api import ObjectKey
 
     return [
-        ObjectKey(chunk_hash=bytes([i + 1]) * 16, model_name="dense", kv_rank=0)
-        for i in range(n)
+        ObjectKey(chunk_hash=bytes([i + 1]) * 16, model_name="dense", kv_rank=0) for i in range(n)
     ]
 
 

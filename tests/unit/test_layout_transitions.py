@@ -124,9 +124,7 @@ def test_other_layout_format_is_a_miss(real_servers, tmp_path, monkeypatch):
 
 
 @pytest.mark.feature
-def test_a_rebuild_that_changes_no_stored_byte_keeps_the_hits(
-    real_servers, tmp_path, monkeypatch
-):
+def test_a_rebuild_that_changes_no_stored_byte_keeps_the_hits(real_servers, tmp_path, monkeypatch):
     from lmcache import _hybridfa
 
     l2 = tmp_path / "l2"

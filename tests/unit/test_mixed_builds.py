@@ -32,9 +32,7 @@ def store_ids() -> list[list[int]]:
 
 
 @pytest.mark.fix
-def test_a_pristine_client_of_a_hybrid_model_never_restores_wrong_bytes(
-    real_servers, tmp_path
-):
+def test_a_pristine_client_of_a_hybrid_model_never_restores_wrong_bytes(real_servers, tmp_path):
     client = BASE.but(pristine_client=True)
     # restored_blocks fails on any restored byte that differs from the stored one
     assert restored_blocks(real_servers, tmp_path, client, client) in (0, BLOCKS)
@@ -111,4 +109,3 @@ def test_the_server_says_it_stores_a_chunk_without_its_recurrent_state():
 
     module = ManagementModule(ctx=None, experimental_transfer=["transfer_query"])
     assert FA_ONLY_CHUNKS_MARKER in module.get_experimental()
-

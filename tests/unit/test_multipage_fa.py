@@ -74,9 +74,7 @@ def _stored_objects(server) -> list[torch.Tensor]:
     """The bytes stored for each chunk, over all its objects (keys: request, group, chunk)."""
     objs = server.ctx.storage_manager.objects
     chunks = sorted({k[2] for k in objs})
-    return [
-        torch.cat([objs[k].raw_tensor for k in sorted(objs) if k[2] == c]) for c in chunks
-    ]
+    return [torch.cat([objs[k].raw_tensor for k in sorted(objs) if k[2] == c]) for c in chunks]
 
 
 @pytest.fixture(params=LAYOUTS)
