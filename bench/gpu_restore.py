@@ -346,7 +346,7 @@ def peer_target(rows: dict[str, dict[str, Any]], p: int) -> dict[str, Any]:
     peer = rows.get(row_key(TARGET_MODEL, p, "offloading")) or {}
     mine, theirs = ours.get("restore_ttft_s"), peer.get("restore_ttft_s")
     value = theirs / mine if mine and theirs else None
-    beaten = peer.get("ok") is not None and not peer.get("correct")  # ran, restored wrong or none
+    beaten = peer.get("correct") is False  # it restored wrong state or nothing (not: did not run)
     return {
         "target": f"default_faster_than_offloading_{p // 1024}k",
         "value": value,
@@ -461,10 +461,10 @@ def write_results(results: dict[str, Any], path: Path) -> None:
     summarize(results)
     path.parent.mkdir(parents=True, exist_ok=True)
     gate.write_json_md(path.with_suffix(""), results, markdown_report(results))
-    plot_ttft(results, path)
+    write_plots(results, path)
 
 
-def plot_ttft(results: dict[str, Any], path: Path) -> None:
+def write_plots(results: dict[str, Any], path: Path) -> None:
     """<stem>-ttft.png: TTFT per model and arm against prompt length; <stem>-gbps.png: each
     bounded row's bytes read per second of TTFT against its bound. Where matplotlib imports."""
     try:

@@ -324,6 +324,12 @@ def test_no_offloading_row_misses_the_peer_target() -> None:
     assert not bench.peer_target(rows, 8192)["met"]
 
 
+def test_an_offloading_connector_that_did_not_run_is_not_beaten() -> None:
+    key = partial(bench.row_key, bench.TARGET_MODEL, 8192)
+    rows = {key("default"): _restored(0.5), key("offloading"): {"ok": False, "errors": ["x"]}}
+    assert not bench.peer_target(rows, 8192)["met"]
+
+
 def test_the_report_holds_the_top_level_fields_and_a_row_per_arm(tmp_path: Path) -> None:
     rates = {"disk_read_gbps": 2.0, "page_cache_read_gbps": 10.0, "pinned_h2d_gbps": 50.0}
     res = bench.new_results()

@@ -521,6 +521,11 @@ def not_passed_rate(outcomes: list[str]) -> Fraction:
     return Fraction(not_passed(outcomes), len(outcomes)) if outcomes else Fraction(0)
 
 
+def gap_reached(ours: list[str], base: list[str]) -> bool:
+    """The rule of a regression: our not-passed rate at least RATE_GAP_PCT points above base's."""
+    return not_passed_rate(ours) - not_passed_rate(base) >= Fraction(RATE_GAP_PCT, 100)
+
+
 def compare_rates(
     ids: list[str], patched: dict[str, list[str]], pristine: dict[str, list[str]]
 ) -> tuple[list[str], list[dict[str, object]]]:
@@ -530,7 +535,7 @@ def compare_rates(
     records: list[dict[str, object]] = []
     for nid in ids:
         ours, base = patched.get(nid, []), pristine.get(nid, [])
-        regression = not_passed_rate(ours) - not_passed_rate(base) >= Fraction(RATE_GAP_PCT, 100)
+        regression = gap_reached(ours, base)
         if regression:
             regressions.append(nid)
         records.append({
@@ -578,12 +583,12 @@ def compare_with_pristine(
 
 
 def undecided(ours: list[str], base: list[str], planned: int) -> bool:
-    """Whether the rounds still to come (of ``planned``) can change compare_rates' verdict on
-    a test: its gap could still end on either side of RATE_GAP_PCT."""
+    """Whether the rounds still to come (of ``planned``) can change gap_reached's verdict on a
+    test: it differs between the best and the worst outcome of those rounds for our build."""
     left = planned - len(ours)
-    gap = not_passed(ours) - not_passed(base)
-    need = Fraction(RATE_GAP_PCT * planned, 100)
-    return gap - left < need <= gap + left
+    worst = gap_reached(ours + ["failed"] * left, base + ["passed"] * left)
+    best = gap_reached(ours + ["passed"] * left, base + ["failed"] * left)
+    return worst != best
 
 
 def measure_rates(
