@@ -71,7 +71,7 @@ def read_series(patches_dir: Path = PATCHES_DIR) -> list[Path]:
         name = line.split("#", 1)[0].strip()
         if not name:
             continue
-        patch = patches_dir / name
+        patch = (patches_dir / name).resolve()
         if not patch.is_file():
             raise BuildError(f"series names {name}, but {patch} does not exist")
         patches.append(patch)
@@ -234,13 +234,26 @@ def _date_time() -> tuple[int, int, int, int, int, int]:
     return stamp[:6]
 
 
-def marker_source(pins: Pins, patches: list[Path], digest: str) -> bytes:
+def tree_digest(tree: Path) -> str:
+    """sha256 over the patched ``lmcache`` package (each file's path and bytes, in path
+    order), the marker module aside: two series that build the same code for one Python
+    tag share it."""
+    digest = hashlib.sha256()
+    for path in sorted((tree / "lmcache").rglob("*")):
+        name = path.relative_to(tree).as_posix()
+        if path.is_file() and name != MARKER_PATH and "__pycache__" not in name:
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def marker_source(pins: Pins, patches: list[Path], digest: str, tree_sha256: str) -> bytes:
     text = MARKER_SOURCE.read_text()
     for key, value in {
         "BASE_VERSION": pins.version,
         "REVISION": str(REVISION),
         "VERSION": pins.local_version,
         "SERIES_SHA256": digest,
+        "TREE_SHA256": tree_sha256,
         "PATCHES": ",".join(p.name for p in patches),
     }.items():
         text = text.replace(f"@{key}@", value)
@@ -331,12 +344,12 @@ def build_wheel(
     patches = read_series(patches_dir)
     digest = series_digest(patches_dir)
     base = fetch_base_wheel(pins, tag, base_wheel)
-    marker = marker_source(pins, patches, digest)
     with tempfile.TemporaryDirectory(prefix="hybridfa-build-") as tmp:
         tree = Path(tmp) / "tree"
         with zipfile.ZipFile(base) as zf:
             zf.extractall(tree)
         apply_series(tree, patches)
+        marker = marker_source(pins, patches, digest, tree_digest(tree))
         entries = _patched_entries(base, tree, pins, marker)
         out_dir.mkdir(parents=True, exist_ok=True)
         name = wheel_name(pins, base.name)

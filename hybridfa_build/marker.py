@@ -17,6 +17,7 @@ BASE_VERSION = "@BASE_VERSION@"
 REVISION = "@REVISION@"
 VERSION = "@VERSION@"
 SERIES_SHA256 = "@SERIES_SHA256@"
+TREE_SHA256 = "@TREE_SHA256@"
 PATCHES = tuple("@PATCHES@".split(",")) if "@PATCHES@" else ()
 
 
@@ -43,6 +44,7 @@ def report() -> tuple[list[str], bool]:
         f"  base           lmcache {BASE_VERSION}",
         f"  revision       {REVISION}",
         f"  series sha256  {SERIES_SHA256}",
+        f"  tree sha256    {TREE_SHA256}",
         f"  patches        {', '.join(PATCHES) or '(none)'}",
         f"  module         {Path(__file__).resolve().parent}",
     ]

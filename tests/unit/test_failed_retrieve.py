@@ -1,4 +1,4 @@
-"""A retrieve the LMCache server reports as failed (patch 0011).
+"""A retrieve the LMCache server reports as failed.
 
 The server answers RETRIEVE with failure when the keys left L1 between lookup and retrieve
 (an eviction or lock race), on a block-id underflow, or on any exception in the transfer.

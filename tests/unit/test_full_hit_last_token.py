@@ -1,4 +1,4 @@
-"""A full external hit never promises the last prompt token to a hybrid model (patch 0002).
+"""A full external hit never promises the last prompt token to a hybrid model.
 
 LMCache's real scheduler-side LMCacheMPConnector (and its real LMCacheMPSchedulerAdapter)
 talks to a fake LMCache server that answers like the real one: a LOOKUP hashes every whole
@@ -64,7 +64,7 @@ class _FakeServer:
             return CHUNK
         if request_type == RequestType.GET_EXPERIMENTAL:  # the layout handshake
             return this_build_experimental()
-        if request_type == RequestType.PING:  # the scheduler's heartbeat (patch 0010)
+        if request_type == RequestType.PING:  # the scheduler's heartbeat
             return True
         if request_type == RequestType.LOOKUP:
             key = payloads[0]

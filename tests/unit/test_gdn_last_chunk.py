@@ -1,4 +1,4 @@
-"""A restore reads GDN state for its last hit chunk only (patch 0013; read locks: 0012).
+"""A restore reads GDN state for its last hit chunk only, and releases only the locks it took.
 
 With ``--separate-object-groups`` a recurrent (Mamba/GDN) group is stored as its own
 object group with a window of one block, so a restore after a restart reads the FA
@@ -167,8 +167,8 @@ def test_restore_reads_fa_for_every_chunk_and_one_gdn_state(real_servers, tmp_pa
 @pytest.mark.parametrize("extra", [1, 0], ids=["prompt=3C+1", "prompt=3C"])
 def test_restore_after_restart_is_bitwise(real_servers, tmp_path, layout, chunk, extra):
     """FA blocks of every hit chunk and the GDN state at the hit boundary are the stored
-    bytes; nothing else changes. A prompt of exactly 3 chunks hits 2 (patch 0002: its
-    last token is recomputed), so the state is the one after chunk 2, not chunk 3."""
+    bytes; nothing else changes. A prompt of exactly 3 chunks hits 2 (the last prompt token
+    is never promised: it is recomputed), so the state is the one after chunk 2, not chunk 3."""
     src, kv, server = restarted(real_servers, tmp_path, layout, chunk)
     tokens = prompt(NUM_CHUNKS * chunk + extra)
 

@@ -1,4 +1,4 @@
-"""GDN/Mamba pages under the HND layout (patch 0008).
+"""GDN/Mamba pages under the HND layout.
 
 On the H200 every Qwen3.5 gate case ran with VLLM_KV_CACHE_LAYOUT=HND and no chunk was ever
 stored, on pristine and patched alike: "CUDA error: invalid argument" from

@@ -1,9 +1,7 @@
-"""The fs L2 adapter reads the objects of one load task concurrently (patches 0005, 0006, 0028).
+"""The fs L2 adapter reads the objects of one load task concurrently.
 
 A restore's prefetch is one load task over every chunk of the prompt. Pristine 0.5.3 reads them
-one file after another, and with patch 0006's trailer check each file's hash ran on the event
-loop between two reads, so the disk idled while the CPU hashed: on the H200 node the prefetch
-reached 1.1 GB/s of the disk's 1.96 (bench/fs_l2_read.py has the CPU-side study).
+one file after another, so the disk idles between two reads (bench/fs_l2_read.py measures it).
 """
 
 from __future__ import annotations
@@ -73,8 +71,8 @@ def test_one_load_task_reads_several_objects_at_once(adapter, monkeypatch):
 
 @pytest.mark.feature
 def test_one_load_task_keeps_sixteen_reads_in_flight(adapter, monkeypatch):
-    # 0.5.3 reads one file at a time; revision 6 (patch 0005) read four, which left a
-    # page-cache restore at a third of what parallel reads reach (patch 0028's header).
+    # 0.5.3 reads one file at a time; four at a time left a page-cache restore at a third of
+    # what parallel reads reach (docs/results.md).
     keys = _keys(40)
     payloads = [bytes([i + 1]) * 4096 for i in range(40)]
     store(adapter, keys, payloads)

@@ -1,6 +1,6 @@
 """LMCache's resp L2 adapter (its C++ Redis client) on a real redis-server, one task at a
 time: a task whose objects have different sizes, as a hybrid layout's FA and
-recurrent-state object groups do (patch 0024)."""
+recurrent-state object groups do."""
 
 from __future__ import annotations
 

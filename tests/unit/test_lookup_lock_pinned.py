@@ -1,4 +1,4 @@
-"""A prefetched hit stays read-locked until its retrieve (patch 0023).
+"""A prefetched hit stays read-locked until its retrieve.
 
 A lookup read-locks the chunks it found, so L1 cannot evict them before the retrieve. In
 0.5.3 the locks expire after the L1 read TTL (``--l1-read-ttl-seconds``, 300 s) whatever

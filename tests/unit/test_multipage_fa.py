@@ -1,4 +1,4 @@
-"""Subpaged full-attention blocks are stored and restored whole (patch 0001).
+"""Subpaged full-attention blocks are stored and restored whole.
 
 Every check runs through LMCache's real connector registration
 (apply_kv_cache_group_edits + create_engine_group_infos_from_vllm) and the server's real

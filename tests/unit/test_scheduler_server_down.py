@@ -1,4 +1,4 @@
-"""The scheduler side of LMCacheMPConnector when the LMCache server dies (patch 0010).
+"""The scheduler side of LMCacheMPConnector when the LMCache server dies or is slow.
 
 LMCache's real scheduler adapter talks to LMCache's real message-queue server, which serves
 four request types from small handlers. "The server dies" is that server closing its socket:
@@ -9,7 +9,7 @@ A lookup in flight when the server dies therefore blocks the scheduler, and with
 request of the engine, for the whole mq_timeout (300 s by default), and the adapter never sees
 the server come back.
 
-Patch 0009: while a restore's prefetch runs, vLLM asks once per scheduler step whether it
+While a restore's prefetch runs, vLLM asks once per scheduler step whether it
 has finished, and pristine blocks that step until the server replies (2.4 ms a call on the
 H200 during a 128k restore, 4100 calls). A slow reply must not hold the step.
 """

@@ -1,4 +1,4 @@
-"""No block is written again before the store that reads it has finished (patch 0022).
+"""No block is written again before the store that reads it has finished.
 
 The LMCache server copies a store's blocks out of GPU memory on its own stream after
 ``wait_for_save`` returned. vLLM 0.26 frees Mamba blocks mid-request (align mode), a

@@ -37,7 +37,7 @@ def _entry(pattern: str) -> object:
     import re
 
     regex = re.compile(".*".join(re.escape(p) for p in pattern.split("*")) + r"\Z")
-    return runner.Known(pattern, "0017: by design", regex)
+    return runner.Known(pattern, "mm identity: by design", regex)
 
 
 def test_a_test_the_series_changes_is_reported_apart_from_regressions() -> None:
@@ -212,7 +212,7 @@ def test_a_skip_the_series_causes_is_reported_as_changed(
         tmp_path,
         monkeypatch,
         {SKIPS: {"patched": ["skipped"], "pristine": ["passed"]}},
-        changed=f"{SKIPS} | 0014: skips by design\n",
+        changed=f"{SKIPS} | fingerprint: skips by design\n",
     )
     assert rc == 0
     assert [r["id"] for r in summary["changed_by_series"]] == [SKIPS]  # type: ignore[attr-defined]

@@ -18,7 +18,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PINS = json.loads((ROOT / "pins.json").read_text())
 TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
-CACHE = Path(os.environ.get("LMCACHE_HYBRIDFA_CACHE", Path.home() / ".cache" / "lmcache-hybridfa"))
 
 
 def factory(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -30,15 +29,6 @@ def factory(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         env={**os.environ, **(env or {})},
         check=False,
     )
-
-
-@pytest.fixture(scope="module")
-def pristine_wheel() -> Path:
-    path = CACHE / PINS["wheels"][TAG]["filename"]
-    if not path.is_file():
-        proc = factory("wheel", "--no-materialize", "--out", str(CACHE / "probe"))
-        assert proc.returncode == 0, proc.stderr
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +193,13 @@ def test_marker_reports_a_clobbered_install(built: Path, tmp_path: Path) -> None
     assert bad.returncode == 1
     assert "modified: lmcache/v1/kv_layer_groups.py" in bad.stdout
     assert "Reinstall the hybrid-FA wheel" in bad.stdout
+
+
+def test_marker_holds_the_digest_of_the_patched_tree(built: Path) -> None:
+    files = _files(built)
+    digest = hashlib.sha256()
+    marker_name = "lmcache/_hybridfa.py"
+    for name in sorted(n for n in files if n.startswith("lmcache/") and n != marker_name):
+        digest.update(name.encode() + b"\0" + files[name] + b"\0")
+    marker = files[marker_name].decode()
+    assert f'TREE_SHA256 = "{digest.hexdigest()}"' in marker
