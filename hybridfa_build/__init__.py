@@ -2,4 +2,4 @@
 
 # Bump when the series changes the patched lmcache/ tree; it becomes the wheel's local
 # version 0.5.3+hybridfa.N. A split or reorder that leaves the tree byte-identical keeps it.
-REVISION = 14
+REVISION = 15

@@ -1,8 +1,8 @@
 """The connector serves vLLM 0.26-0.28 and refuses any other at engine start.
 
 Later vLLM releases changed interfaces the connector reads (0.29 removed
-get_kv_cache_layout; 0.33 ignores mamba_cache_mode). Outside the range the real
-scheduler-side LMCacheMPConnector must refuse with one error naming the range, not
+get_kv_cache_layout; 0.33 ignores mamba_cache_mode; 0.34 drops resumed_req_ids). Outside the
+range the real scheduler-side LMCacheMPConnector must refuse with one error naming the range, not
 crash deep inside or misread a layout. Run on this venv's vLLM and, by tests/run, on
 vLLM 0.27.1 and 0.28.0 overlaid on it.
 """
@@ -46,6 +46,24 @@ def test_a_vllm_outside_the_range_is_refused_at_engine_start(version, monkeypatc
 def test_a_vllm_without_the_layout_hint_is_refused_naming_it(monkeypatch):
     from vllm.v1.attention.backends import utils
 
+    monkeypatch.setattr(vllm, "__version__", "0.28.0")
     monkeypatch.delattr(utils, "get_kv_cache_layout", raising=False)
     with pytest.raises(RuntimeError, match="get_kv_cache_layout"):
+        make_connector(make_kv_cache_config(num_spec_blocks=0), BLOCK, monkeypatch)
+
+
+@pytest.mark.feature
+def test_a_vllm_without_resumed_req_ids_is_refused_naming_it(monkeypatch):
+    import dataclasses
+
+    from vllm.v1.core.sched import output
+
+    monkeypatch.setattr(vllm, "__version__", "0.28.0")
+    fields = [
+        f for f in dataclasses.fields(output.CachedRequestData) if f.name != "resumed_req_ids"
+    ]
+    monkeypatch.setattr(
+        output.CachedRequestData, "__dataclass_fields__", {f.name: f for f in fields}
+    )
+    with pytest.raises(RuntimeError, match="resumed_req_ids"):
         make_connector(make_kv_cache_config(num_spec_blocks=0), BLOCK, monkeypatch)
