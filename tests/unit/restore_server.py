@@ -63,11 +63,26 @@ class RealServer:
     closed: bool = False
     instance: int = 1  # the engine instance whose stores and retrieves go through it
 
-    def key(self, tokens: list[int], start: int, end: int, request: str, worker: int | None):
+    def key(
+        self,
+        tokens: list[int],
+        start: int,
+        end: int,
+        request: str,
+        worker: int | None,
+        cache_salt: str = "",
+    ):
         from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
         return IPCCacheServerKey.from_token_ids(
-            MODEL, 1, worker, tokens, start=start, end=end, request_id=request
+            MODEL,
+            1,
+            worker,
+            tokens,
+            start=start,
+            end=end,
+            request_id=request,
+            cache_salt=cache_salt,
         )
 
     @property
@@ -79,15 +94,22 @@ class RealServer:
 
         return expand_engine_block_ids(self.engine_group_infos, engine_block_ids)
 
-    def store(self, request: str, tokens: list[int], engine_block_ids: list[list[int]]) -> bool:
+    def store(
+        self,
+        request: str,
+        tokens: list[int],
+        engine_block_ids: list[list[int]],
+        cache_salt: str = "",
+    ) -> bool:
         end = len(tokens) - len(tokens) % self.ctx.chunk_size
-        key = self.key(tokens, 0, end, request, 0)
+        key = self.key(tokens, 0, end, request, 0, cache_salt)
         _, ok = self.transfer.store(key, self.instance, self.block_ids(engine_block_ids), b"")
         return bool(ok)
 
-    def lookup(self, request: str, tokens: list[int]) -> int:
+    def lookup(self, request: str, tokens: list[int], cache_salt: str = "") -> int:
         """The lookup's hit in chunks, once its prefetch (L1 and L2) has completed."""
-        self.lookup_module.lookup(self.key(tokens, 0, len(tokens), request, None), 1)
+        key = self.key(tokens, 0, len(tokens), request, None, cache_salt)
+        self.lookup_module.lookup(key, 1)
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline:
             found = self.lookup_module.query_prefetch_status(request)
