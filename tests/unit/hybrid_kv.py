@@ -41,6 +41,7 @@ class HybridKV:
     num_blocks: int
     layout: str  # "NHD" or "HND"
     config: Any = None
+    fa_dtype: torch.dtype = FA_DTYPE  # torch.uint8 for vLLM's fp8 KV cache dtypes
     raw: list[torch.Tensor] = field(default_factory=list)
     kv_caches: dict[str, Any] = field(default_factory=dict)
     raw_index: dict[int, int] = field(default_factory=dict)  # layer -> raw tensor
@@ -52,7 +53,8 @@ class HybridKV:
     @property
     def page_bytes(self) -> int:
         """Bytes of one logical block of one layer (FA and padded Mamba alike)."""
-        return self.tokens_per_block * NUM_KV_HEADS * 2 * HEAD_SIZE * 2
+        elem = torch.empty((), dtype=self.fa_dtype).element_size()
+        return self.tokens_per_block * NUM_KV_HEADS * 2 * HEAD_SIZE * elem
 
     def raw_of(self, layer: int) -> torch.Tensor:
         return self.raw[self.raw_index[layer]]
@@ -93,6 +95,7 @@ def build_hybrid_kv(
     num_blocks: int = 12,
     seed: int = 0,
     gdn: GDNState = GDNState(),
+    fa_dtype: torch.dtype = FA_DTYPE,
 ) -> HybridKV:
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -102,12 +105,12 @@ def build_hybrid_kv(
         MambaSpec,
     )
 
-    kv = HybridKV(tokens_per_block, page, num_blocks, layout)
+    kv = HybridKV(tokens_per_block, page, num_blocks, layout, fa_dtype=fa_dtype)
     fa_spec = FullAttentionSpec(
         block_size=tokens_per_block,
         num_kv_heads=NUM_KV_HEADS,
         head_size=HEAD_SIZE,
-        dtype=FA_DTYPE,
+        dtype=fa_dtype,
     )
     assert fa_spec.page_size_bytes == kv.page_bytes
     mamba_spec = MambaSpec(
@@ -175,7 +178,7 @@ def build_fa_only_kv(
 
 def _fa_view(raw: torch.Tensor, kv: HybridKV) -> torch.Tensor:
     pages = kv.num_blocks * kv.ratio
-    elems = raw.view(FA_DTYPE)
+    elems = raw.view(kv.fa_dtype)
     if kv.layout == "HND":
         return elems.view(pages, NUM_KV_HEADS, kv.page, 2 * HEAD_SIZE)
     return elems.view(pages, kv.page, NUM_KV_HEADS, 2 * HEAD_SIZE).permute(0, 2, 1, 3)

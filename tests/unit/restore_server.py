@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from hybrid_kv import (
+    FA_DTYPE,
     FA_LAYERS,
     NUM_LAYERS,
     GDNState,
@@ -31,6 +32,7 @@ from hybrid_kv import (
     build_hybrid_kv,
 )
 from redis_server import l2_backends
+from vllm_engine import Engine, register_through_connector
 
 MODEL = "hybrid"
 TIMEOUT_S = 10.0
@@ -63,11 +65,26 @@ class RealServer:
     closed: bool = False
     instance: int = 1  # the engine instance whose stores and retrieves go through it
 
-    def key(self, tokens: list[int], start: int, end: int, request: str, worker: int | None):
+    def key(
+        self,
+        tokens: list[int],
+        start: int,
+        end: int,
+        request: str,
+        worker: int | None,
+        cache_salt: str = "",
+    ):
         from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
         return IPCCacheServerKey.from_token_ids(
-            MODEL, 1, worker, tokens, start=start, end=end, request_id=request
+            MODEL,
+            1,
+            worker,
+            tokens,
+            start=start,
+            end=end,
+            request_id=request,
+            cache_salt=cache_salt,
         )
 
     @property
@@ -79,15 +96,22 @@ class RealServer:
 
         return expand_engine_block_ids(self.engine_group_infos, engine_block_ids)
 
-    def store(self, request: str, tokens: list[int], engine_block_ids: list[list[int]]) -> bool:
+    def store(
+        self,
+        request: str,
+        tokens: list[int],
+        engine_block_ids: list[list[int]],
+        cache_salt: str = "",
+    ) -> bool:
         end = len(tokens) - len(tokens) % self.ctx.chunk_size
-        key = self.key(tokens, 0, end, request, 0)
+        key = self.key(tokens, 0, end, request, 0, cache_salt)
         _, ok = self.transfer.store(key, self.instance, self.block_ids(engine_block_ids), b"")
         return bool(ok)
 
-    def lookup(self, request: str, tokens: list[int]) -> int:
+    def lookup(self, request: str, tokens: list[int], cache_salt: str = "") -> int:
         """The lookup's hit in chunks, once its prefetch (L1 and L2) has completed."""
-        self.lookup_module.lookup(self.key(tokens, 0, len(tokens), request, None), 1)
+        key = self.key(tokens, 0, len(tokens), request, None, cache_salt)
+        self.lookup_module.lookup(key, 1)
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline:
             found = self.lookup_module.query_prefetch_status(request)
@@ -133,7 +157,7 @@ class RealServer:
     def add_engine(self, kv: HybridKV, instance: int) -> RealServer:
         """Register another engine instance of the same model name on this server;
         the view of the server that engine's stores and retrieves go through."""
-        wire = _register(self.transfer, self.ctx, kv, instance, pristine_client=False)
+        wire = _register(self.transfer, self.ctx, kv, instance, pristine_client=False, engine=None)
         return dataclasses.replace(self, engine_group_infos=wire, kv=kv, instance=instance)
 
     def unregister(self) -> None:
@@ -206,6 +230,7 @@ class ServerFactory:
         pristine_client: bool = False,
         l2_adapter: str = "fs",
         read_ttl_seconds: int = 300,
+        engine: Engine | None = None,
     ) -> RealServer:
         server = start_real_server(
             kv,
@@ -217,6 +242,7 @@ class ServerFactory:
             l2_adapter,
             self.resp_port,
             read_ttl_seconds,
+            engine,
         )
         self._started.append(server)
         return server
@@ -236,10 +262,12 @@ def start_real_server(
     l2_adapter: str = "fs",
     resp_port: int | None = None,
     read_ttl_seconds: int = 300,
+    engine: Engine | None = None,
 ) -> RealServer:
     """Start a server on ``l2_dir`` (or, for ``resp``, on redis at ``resp_port``) and
     register ``kv`` as LMCacheMPConnector does; with ``pristine_client``, with the group
-    infos a pristine 0.5.3 client sends."""
+    infos a pristine 0.5.3 client sends; with ``engine``, through the real worker-side
+    connector under that engine's settings."""
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter
     from lmcache.v1.gpu_connector.kv_format.detectors import vllm as vllm_detector
     from lmcache.v1.multiprocess.engine_context import MPCacheServerContext
@@ -273,17 +301,23 @@ def start_real_server(
     monkeypatch.setattr(transfer, "submit_callback_to_stream", run_now)
 
     module = transfer.LMCacheDrivenTransferModule(ctx)
-    wire = _register(module, ctx, kv, 1, pristine_client)
+    wire = _register(module, ctx, kv, 1, pristine_client, engine)
     return RealServer(
         ctx, LookupModule(ctx), module, wire, l2_dir, reads, _l2_counter(l2_dir, resp_port), kv
     )
 
 
 def _register(
-    module: Any, ctx: Any, kv: HybridKV, instance: int, pristine_client: bool
+    module: Any,
+    ctx: Any,
+    kv: HybridKV,
+    instance: int,
+    pristine_client: bool,
+    engine: Engine | None,
 ) -> list[Any]:
     """Register ``kv`` as engine ``instance`` of MODEL as LMCacheMPConnector does (with
-    ``pristine_client``, with the group infos a pristine 0.5.3 client sends); the group
+    ``pristine_client``, with the group infos a pristine 0.5.3 client sends; with
+    ``engine``, through the real connector under that engine's settings); the group
     infos that crossed the message queue."""
     import msgspec
 
@@ -293,8 +327,11 @@ def _register(
     from lmcache.v1.multiprocess.group_view import EngineGroupInfo
 
     hints = {"kv_layout": kv.layout}
-    edited = apply_kv_cache_group_edits(kv.config, dict(kv.kv_caches), layout_hints=hints)
-    infos = create_engine_group_infos_from_vllm(kv.config, edited, layout_hints=hints)
+    if engine is not None:
+        edited, infos = register_through_connector(engine, MODEL, kv)
+    else:
+        edited = apply_kv_cache_group_edits(kv.config, dict(kv.kv_caches), layout_hints=hints)
+        infos = create_engine_group_infos_from_vllm(kv.config, edited, layout_hints=hints)
     if pristine_client:
         infos = [
             EngineGroupInfo(
@@ -344,6 +381,7 @@ class Setup:
     gdn: GDNState = GDNState()
     pristine_client: bool = False  # the group infos a pristine 0.5.3 client sends
     l2_adapter: str = "fs"  # or fs_native, or resp (on ServerFactory.resp_port)
+    engine: Engine | None = None  # registered through the real connector under it
 
     def but(self, **changes: Any) -> Setup:
         return dataclasses.replace(self, **changes)
@@ -354,7 +392,12 @@ class Setup:
             "separate": self.separate,
             "pristine_client": self.pristine_client,
             "l2_adapter": self.l2_adapter,
+            "engine": self.engine,
         }
+
+    @property
+    def fa_dtype(self) -> torch.dtype:
+        return self.engine.fa_dtype if self.engine else FA_DTYPE
 
 
 BASE = Setup()
@@ -385,7 +428,9 @@ def restore_ids(blocks: int) -> list[list[int]]:
 def store(
     real_servers: ServerFactory, l2: Path, setup: Setup, ids: list[list[int]] | None = None
 ) -> HybridKV:
-    kv = build_hybrid_kv(N, setup.page, setup.layout, NUM_BLOCKS, seed=0, gdn=setup.gdn)
+    kv = build_hybrid_kv(
+        N, setup.page, setup.layout, NUM_BLOCKS, seed=0, gdn=setup.gdn, fa_dtype=setup.fa_dtype
+    )
     server = real_servers(kv, setup.chunk, l2, **setup.server_args)
     stored = server.store("store", tokens(), ids or store_ids())
     if setup.l2_adapter == "fs_native":
@@ -424,7 +469,7 @@ def restore_compared(
     """Start a server under ``b`` on ``l2`` (a node with an empty L1), restore what its
     lookup of ``prompt`` hits and compare it with the blocks ``stored`` from ``src``: the
     blocks restored (0 for a miss); a restored byte that differs fails here."""
-    kv = build_hybrid_kv(N, b.page, b.layout, NUM_BLOCKS, seed=1, gdn=b.gdn)
+    kv = build_hybrid_kv(N, b.page, b.layout, NUM_BLOCKS, seed=1, gdn=b.gdn, fa_dtype=b.fa_dtype)
     server = real_servers(kv, b.chunk, l2, **b.server_args)
     return restore_through(server, src, stored, prompt)
 

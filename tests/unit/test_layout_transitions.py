@@ -2,7 +2,8 @@
 
 Every knob that changes what a hybrid model's stored bytes mean (MTP's conv-state
 length, the conv-state layout, the SSM dtype, NHD/HND, FlashInfer's kernel pages or
-FlashAttention's whole blocks, the chunk size, the object-group split, the layout
+FlashAttention's whole blocks, the chunk size, the object-group split, the fp8 format
+and k/v scales of the KV cache, the model's revision and quantization, the layout
 format) must make the objects written under the other setting a miss. Every row stores
 a prompt through a whole LMCache server on CPU over an fs L2 folder (restore_server),
 stops it, and looks the prompt up through a new server on the same folder with the
@@ -29,6 +30,9 @@ from restore_server import (  # noqa: E402
     store_ids,
     tokens,
 )
+from vllm_engine import Engine  # noqa: E402
+
+E4M3, E5M2 = Engine(kv_cache_dtype="fp8_e4m3"), Engine(kv_cache_dtype="fp8_e5m2")
 
 
 @pytest.mark.parametrize(
@@ -41,8 +45,9 @@ from restore_server import (  # noqa: E402
         BASE.but(chunk=3 * N),
         BASE.but(separate=True),
         BASE.but(gdn=GDNState(spec_tokens=2)),
+        BASE.but(engine=E4M3),
     ],
-    ids=["NHD", "HND", "FlashAttention", "chunk=2N", "chunk=3N", "separate", "MTP-2"],
+    ids=["NHD", "HND", "FlashAttention", "chunk=2N", "chunk=3N", "separate", "MTP-2", "fp8"],
 )
 def test_same_setting_restores_every_byte(real_servers, tmp_path, setup):
     assert restored_blocks(real_servers, tmp_path, setup, setup) == BLOCKS
@@ -61,6 +66,20 @@ SAME_SIZE_ROWS = {
         BASE.but(page=N, gdn=GDNState(spec_tokens=1)),
     ),
     "FlashAttention-NHD-to-HND": (BASE.but(page=N), BASE.but(page=N, layout="HND")),
+    # vLLM builds one spec and uint8 tensors for every fp8 format
+    "fp8-e4m3-to-e5m2": (BASE.but(engine=E4M3), BASE.but(engine=E5M2)),
+    "fp8-e5m2-to-fp8": (BASE.but(engine=E5M2), BASE.but(engine=Engine(kv_cache_dtype="fp8"))),
+    "fp8-k-scale": (
+        BASE.but(engine=E4M3),
+        BASE.but(engine=Engine(kv_cache_dtype="fp8_e4m3", k_scale=0.5)),
+    ),
+    "FlashAttention-fp8-e4m3-to-e5m2": (
+        BASE.but(page=N, engine=E4M3),
+        BASE.but(page=N, engine=E5M2),
+    ),
+    # the model's identity: not in the KV cache spec at all
+    "revision": (BASE.but(engine=Engine(revision="a")), BASE.but(engine=Engine(revision="b"))),
+    "quantization": (BASE.but(engine=Engine()), BASE.but(engine=Engine(quantization="fp8"))),
 }
 
 

@@ -157,13 +157,13 @@ def make_connector(
     monkeypatch: pytest.MonkeyPatch,
     server_layout_format: int | None = None,
     fa_only_chunks: bool = False,
+    adapter: FakeSchedulerAdapter | None = None,
 ) -> Any:
-    """The real scheduler-side LMCacheMPConnector, built by its real __init__."""
-    monkeypatch.setattr(
-        mpc,
-        "LMCacheMPSchedulerAdapter",
-        lambda **_: FakeSchedulerAdapter(chunk, server_layout_format, fa_only_chunks),
-    )
+    """The real scheduler-side LMCacheMPConnector, built by its real __init__ (over
+    ``adapter`` where given)."""
+    if adapter is None:
+        adapter = FakeSchedulerAdapter(chunk, server_layout_format, fa_only_chunks)
+    monkeypatch.setattr(mpc, "LMCacheMPSchedulerAdapter", lambda **_: adapter)
     monkeypatch.setattr(mpc, "print_banner_once", lambda *_: None)
     vllm_config = _fake_vllm_config(BLOCK, kv_cache_config.has_mamba_layers)
     return mpc.LMCacheMPConnector(vllm_config, mpc.KVConnectorRole.SCHEDULER, kv_cache_config)
@@ -199,13 +199,16 @@ class SchedDriver:
         # Pristine append semantics: the ids vLLM reported, concatenated.
         self.reported: dict[str, list[list[int]]] = {}
 
-    def add_request(self, req_id: str, prompt: list[int]) -> Request:
+    def add_request(self, req_id: str, prompt: list[int] | None, **fields: Any) -> Request:
+        """A vLLM Request; ``fields``: its other fields (lora_request, cache_salt,
+        prompt_embeds with ``prompt=None``, ...)."""
         req = Request(
             req_id,
             prompt,
             SamplingParams(max_tokens=64),
             None,
             block_hasher=get_request_block_hasher(self.hash_block, sha256),
+            **fields,
         )
         self.requests[req_id] = req
         return req
