@@ -4,7 +4,8 @@ An fs L2 folder written by pristine 0.5.3 holds, for a hybrid model, objects wit
 kernel page per full-attention block: the wrong page. The patched server must never
 restore them (it keys multi-page layouts in a layout namespace), and damaged object
 files must be a miss, never wrong KV and never an exception. Objects of non-hybrid
-models, whose layout did not change, keep hitting.
+models, whose layout did not change, keep pristine's keys (files pristine wrote lack the
+keyed trailer, so they are a miss until stored again: test_l2_fs_authenticity.py).
 
 Real classes throughout: the connector's group discovery and the server's transfer
 module (hybrid_kv.start_server), LMCache's key derivation (ipc_key_to_object_keys) and
@@ -219,7 +220,7 @@ def test_intact_object_round_trips(adapter):
 
 
 # ---------------------------------------------------------------------------------
-# (c) non-hybrid models: the layout is pristine's, so pristine objects keep hitting
+# (c) non-hybrid models: the layout is pristine's, and so are their object keys
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
