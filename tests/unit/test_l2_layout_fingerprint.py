@@ -14,6 +14,7 @@ the real FSL2Adapter on tmp_path; the host buffers are the only stand-in.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -135,9 +136,13 @@ def test_purge_command_removes_only_the_stale_objects(tmp_path, monkeypatch):
     finally:
         adp.close()
     keep = current[0].model_name.rpartition("~hfa-")[2]
+    an_hour_ago = time.time() - 3600  # not a layout a live server may be writing
+    for path in base.glob("*.data"):
+        os.utime(path, (an_hour_ago, an_hour_ago))
 
     cmd = [sys.executable, "-m", "lmcache.v1.distributed.l2_adapters.fs_layout_purge"]
-    args = [str(base), "--model", MODEL, "--keep", keep]
+    # the stale objects here are pristine's, without a layout fingerprint
+    args = [str(base), "--model", MODEL, "--keep", keep, "--include-unnamespaced"]
     run = {"capture_output": True, "text": True, "env": arm_env(), "cwd": tmp_path}
     dry = subprocess.run(cmd + args, **run)
     assert dry.returncode == 0, dry.stderr[-2000:]
