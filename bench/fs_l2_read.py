@@ -152,7 +152,7 @@ def raw_read(paths: list[Path], bufs: list[mmap.mmap], threads: int) -> int:
 
 def make_load(mod: Any, v: Variant) -> Callable[..., Any]:
     """``FSL2Adapter._execute_load`` (buffered path), with ``v.conc`` files in flight."""
-    verify = getattr(mod, "_payload_is_intact", None)
+    verify = verifier(mod)
     tail_len = getattr(mod, "_TRAILER_LEN", 0) + 1
 
     async def _execute_load(self: Any, keys: list[Any], objects: list[Any], task_id: int) -> None:
@@ -174,14 +174,16 @@ def make_load(mod: Any, v: Variant) -> Callable[..., Any]:
                 except FileNotFoundError:
                     return
                 if verify is not None:
-                    check = mod._payload_is_intact
+                    check = getattr(mod, verify)  # the timed one Patches.apply installs
                     args = (dst, tail, paths[i].name)
-                    ok = (
+                    if verify == "_why_not_authentic":
+                        args = (self._tag_key, *args)
+                    res = (
                         await loop.run_in_executor(None, check, *args)
                         if v.verify_in_thread
                         else check(*args)
                     )
-                    if not ok:
+                    if res is not (None if verify == "_why_not_authentic" else True):
                         return
                 bitmap.set(i)
 
@@ -196,6 +198,13 @@ def make_load(mod: Any, v: Variant) -> Callable[..., Any]:
     return _execute_load
 
 
+def verifier(mod: Any) -> str | None:
+    """The fs adapter module's check of a loaded object: ``_why_not_authentic`` (keyed
+    trailer, None when authentic), ``_payload_is_intact`` (revisions up to 14: unkeyed
+    trailer, True when intact), or None (pristine: no check)."""
+    return next((n for n in ("_why_not_authentic", "_payload_is_intact") if hasattr(mod, n)), None)
+
+
 class Patches:
     """Monkeypatches of the fs adapter module, undone by ``undo``; read/verify timers."""
 
@@ -208,7 +217,7 @@ class Patches:
 
     def apply(self, v: Variant) -> None:
         mod = self.mod
-        read, verify = mod._async_readinto_full, getattr(mod, "_payload_is_intact", None)
+        read, name = mod._async_readinto_full, verifier(mod)
 
         async def timed_read(f: Any, buf: Any) -> int:
             t0 = time.perf_counter()
@@ -217,21 +226,30 @@ class Patches:
             return n
 
         self.set(mod, "_async_readinto_full", timed_read)
-        if verify is not None:
+        if name is not None:
+            verify = getattr(mod, name)
 
-            def timed_verify(*args: Any) -> bool:
+            def timed_verify(*args: Any) -> Any:
                 t0 = time.perf_counter()
-                ok = verify(*args)
+                res = verify(*args)
                 self.verify_s.append(time.perf_counter() - t0)
-                return bool(ok)
+                return res
 
-            self.set(mod, "_payload_is_intact", timed_verify)
+            self.set(mod, name, timed_verify)
         if v.hash_mt:
             import blake3
 
-            def trailer_mt(payload: Any, filename: str) -> bytes:
-                h = blake3.blake3(memoryview(payload).cast("B"), max_threads=blake3.blake3.AUTO)
-                h.update(filename.encode())
+            def trailer_mt(*args: Any) -> bytes:
+                *key, payload, filename = args  # (key,) from revision 15: keyed trailer
+                mt = blake3.blake3.AUTO
+                if not key:
+                    h = blake3.blake3(memoryview(payload).cast("B"), max_threads=mt)
+                    h.update(filename.encode())
+                    return bytes(mod._TRAILER_MAGIC + h.digest())
+                encoded = filename.encode()
+                prefix = len(encoded).to_bytes(4, "little") + encoded
+                h = blake3.blake3(prefix, key=key[0], max_threads=mt)
+                h.update(memoryview(payload).cast("B"))
                 return bytes(mod._TRAILER_MAGIC + h.digest())
 
             self.set(mod, "_trailer", trailer_mt)
@@ -294,7 +312,7 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
     from lmcache.v1.distributed.api import ObjectKey
     from lmcache.v1.distributed.l2_adapters import fs_l2_adapter as mod
 
-    patched = hasattr(mod, "_payload_is_intact")
+    patched = verifier(mod) is not None
     names = args.variant or [
         n for n, v in VARIANTS.items() if v.default and (patched or not v.needs_trailer)
     ]

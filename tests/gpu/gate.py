@@ -1139,8 +1139,11 @@ def engine_log_facts(text: str) -> dict[str, Any]:
 STORE_FAILED = "Cannot store keys due to exception"
 # Patch 0021's registration error: a hybrid layout on a server with an fs_native tier.
 REFUSAL = "publishes objects without an integrity check"
-# The fs adapter found an object damaged (short read, bad trailer) and removed it.
-L2_DISCARD = re.compile(r"is not an intact \d+-byte object|Incomplete (?:O_DIRECT )?read for")
+# An L2 adapter found an object that failed its check (short, damaged, forged, written
+# under another tier secret): a miss. Earlier revisions removed it and logged the rest.
+L2_DISCARD = re.compile(
+    r"is not an (?:authentic|intact) \d+-byte object|Incomplete (?:O_DIRECT )?read for"
+)
 
 
 def server_log_facts(text: str) -> dict[str, Any]:

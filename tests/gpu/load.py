@@ -200,7 +200,7 @@ def analyze(phases: Recs, records: Recs, keys: Sequence[Sequence[str]], snapshot
     restored_after = [r["ttft_s"] for r in split if r["external"] and r["phase"] > 0]
     load_s = sum(load_seconds(m) or 0.0 for m in phases)
     lost = lost_objects(snapshots)
-    # objects a later phase's server found damaged and removed (and may have rewritten)
+    # objects a later phase's server found failing their check (a miss; a store rewrites them)
     discarded = sum((m.get("server") or {}).get("l2_discards") or 0 for m in phases[1:])
     t = ver["total"]
     totals = {
@@ -225,7 +225,7 @@ def analyze(phases: Recs, records: Recs, keys: Sequence[Sequence[str]], snapshot
         "no restored block after a restart was verified": not after,
         f"{totals['mismatch_blocks']} restored blocks differ": totals["mismatch_blocks"],
         f"{len(lost)} L2 objects lost across restarts": lost,
-        f"the servers found {discarded} damaged L2 objects and removed them": discarded,
+        f"the servers found {discarded} damaged or forged L2 objects (a miss each)": discarded,
         f"{totals['hash_errors']} KV hash RPCs failed": totals["hash_errors"],
     }
     problems = [text for text, failed in checks.items() if failed]

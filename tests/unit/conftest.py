@@ -14,6 +14,20 @@ import pytest
 from redis_server import redis  # noqa: F401 - the fixture
 
 
+@pytest.fixture(autouse=True, scope="session")
+def tier_secret_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """$XDG_CONFIG_HOME in a temp folder: the L2 adapters create their default tier secret
+    there (lmcache/l2-tier.key), not in the user's home. Child processes inherit it."""
+    home = tmp_path_factory.mktemp("xdg-config")
+    before = os.environ.get("XDG_CONFIG_HOME")
+    os.environ["XDG_CONFIG_HOME"] = str(home)
+    yield home
+    if before is None:
+        os.environ.pop("XDG_CONFIG_HOME", None)
+    else:
+        os.environ["XDG_CONFIG_HOME"] = before
+
+
 @pytest.fixture
 def adapter(tmp_path: Path) -> Iterator[Any]:
     """LMCache's real fs L2 adapter (FSL2Adapter) on ``tmp_path / "l2"``."""

@@ -43,13 +43,15 @@ def arm_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(Path(lmcache.__file__).resolve().parent.parent))
 
 
-def open_adapter(base: Path) -> Any:
+def open_adapter(base: Path, **config: Any) -> Any:
+    """The fs adapter on ``base``; ``config``: more of its config keys (``secret_file``),
+    which pristine's config ignores."""
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import (
         FSL2Adapter,
         FSL2AdapterConfig,
     )
 
-    return FSL2Adapter(FSL2AdapterConfig(base_path=str(base)))
+    return FSL2Adapter(FSL2AdapterConfig.from_dict({"base_path": str(base), **config}))
 
 
 def wait_for(poll: Any, what: str, timeout: float = TIMEOUT_S) -> Any:

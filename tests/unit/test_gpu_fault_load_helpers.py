@@ -839,9 +839,10 @@ def test_server_log_facts_count_the_l2_objects_found_damaged() -> None:
         "FSL2Adapter: a.data is not an intact 4096-byte object (digest mismatch); treating\n"
         "Incomplete read for b.data: expected 4096, got 100\n"
         "Incomplete O_DIRECT read for c.data: expected 4096, got 0\n"
+        "FSL2Adapter: d.data is not an authentic 4096-byte object (no trailer); it is a miss.\n"
         "Stored 80 tokens\n"
     )
-    assert gate.server_log_facts(text)["l2_discards"] == 3
+    assert gate.server_log_facts(text)["l2_discards"] == 4
     assert gate.server_log_facts("")["l2_discards"] == 0
 
 

@@ -4,7 +4,8 @@ An fs L2 folder written by pristine 0.5.3 holds, for a hybrid model, objects wit
 kernel page per full-attention block: the wrong page. The patched server must never
 restore them (it keys multi-page layouts in a layout namespace), and damaged object
 files must be a miss, never wrong KV and never an exception. Objects of non-hybrid
-models, whose layout did not change, keep hitting.
+models, whose layout did not change, keep pristine's keys (files pristine wrote lack the
+keyed trailer, so they are a miss until stored again: test_l2_fs_authenticity.py).
 
 Real classes throughout: the connector's group discovery and the server's transfer
 module (hybrid_kv.start_server), LMCache's key derivation (ipc_key_to_object_keys) and
@@ -13,6 +14,7 @@ the real FSL2Adapter on tmp_path; the host buffers are the only stand-in.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -134,9 +136,13 @@ def test_purge_command_removes_only_the_stale_objects(tmp_path, monkeypatch):
     finally:
         adp.close()
     keep = current[0].model_name.rpartition("~hfa-")[2]
+    an_hour_ago = time.time() - 3600  # not a layout a live server may be writing
+    for path in base.glob("*.data"):
+        os.utime(path, (an_hour_ago, an_hour_ago))
 
     cmd = [sys.executable, "-m", "lmcache.v1.distributed.l2_adapters.fs_layout_purge"]
-    args = [str(base), "--model", MODEL, "--keep", keep]
+    # the stale objects here are pristine's, without a layout fingerprint
+    args = [str(base), "--model", MODEL, "--keep", keep, "--include-unnamespaced"]
     run = {"capture_output": True, "text": True, "env": arm_env(), "cwd": tmp_path}
     dry = subprocess.run(cmd + args, **run)
     assert dry.returncode == 0, dry.stderr[-2000:]
@@ -219,7 +225,7 @@ def test_intact_object_round_trips(adapter):
 
 
 # ---------------------------------------------------------------------------------
-# (c) non-hybrid models: the layout is pristine's, so pristine objects keep hitting
+# (c) non-hybrid models: the layout is pristine's, and so are their object keys
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
