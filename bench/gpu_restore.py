@@ -1,7 +1,8 @@
-"""GPU benchmark (issue 22): restore TTFT after a restart, every arm side by side on one node:
-cold, default, pagecache, offloading, lmcache056 (bench/README.md). Engines are
-tests/gpu/engine_proc.py processes started by tests/gpu/gate.py; the results (JSON, markdown)
-are rewritten after every measured step."""
+"""GPU benchmark: restore TTFT after a restart, every arm side by side on one machine:
+cold, default, pagecache, offloading, lmcache056 (bench/README.md). Engines are the restart
+gate's (hybridfa_gate.engine_proc processes started by hybridfa_gate.procs); the results (JSON,
+markdown) are rewritten after every measured step. Run from the checkout root:
+``python -m bench.gpu_restore --lmcache-dir ...``."""
 
 from __future__ import annotations
 
@@ -21,16 +22,42 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests" / "gpu"), str(REPO / "bench")]
-import fs_l2_read  # noqa: E402  (stdlib only at import: its page-cache functions)
-import gate  # noqa: E402  (stdlib only: the restart gate's functions)
+from bench import fs_l2_read  # stdlib only at import: its page-cache functions
+from hybridfa_gate import l2 as l2_tiers
+from hybridfa_gate.judge import compare_kv_hashes, connector_hit
+from hybridfa_gate.models import (
+    MODELS as GATE_MODELS,
+)
+from hybridfa_gate.models import (
+    ModelSpec,
+    atomic_write,
+    attn_bytes_per_token,
+    expected_chunk_bytes,
+    expected_geometry,
+    layer_types,
+    write_model_dir,
+)
+from hybridfa_gate.procs import (
+    ServerError,
+    child_env,
+    free_port,
+    install_cleanup_handler,
+    kill_group,
+    run_engine,
+    start_server,
+    wait_l2_stable,
+)
+from hybridfa_gate.prompts import make_prompt, median, required_hit
+from hybridfa_gate.report import fmt, md_table, write_json_md
+from hybridfa_gate.run import arm_problem, collect_environment
+from hybridfa_gate.specs import WEIGHT_STD, base_spec
 
+REPO = Path(__file__).resolve().parent.parent
 GB, GIB = 1e9, 1 << 30
 SCHEMA = "hybridfa-bench-gpu/2"
 # Qwen3.5-9B-like text model: hidden 4096, 32 layers (24 GDN + 8 FA), 16 q / 4 kv heads of 256,
 # GDN 16 key / 32 value heads of 128, fp32 state; the gate's vocab (8192), so ~7.0 B params.
-QWEN35_9B = gate.ModelSpec(
+QWEN35_9B = ModelSpec(
     "qwen35-9b",
     "qwen3_5",
     num_kv_heads=4,
@@ -45,20 +72,13 @@ QWEN35_9B = gate.ModelSpec(
     intermediate_size=12288,
     num_hidden_layers=32,
 )
-MODELS = {"qwen35-9b": QWEN35_9B, "qwen35-r17": gate.MODELS["qwen35-r17"]}
+MODELS = {"qwen35-9b": QWEN35_9B, "qwen35-r17": GATE_MODELS["qwen35-r17"]}
 # gpu_memory_utilization, weight_std (None: vLLM's dummy weights, timing only) per model
-ENGINE = {"qwen35-9b": (0.45, None), "qwen35-r17": (0.30, gate.WEIGHT_STD)}
+ENGINE = {"qwen35-9b": (0.45, None), "qwen35-r17": (0.30, WEIGHT_STD)}
 LENGTHS = {"8k": 8192, "26k": 26624, "64k": 65536, "128k": 131072}
 DEFAULT_CASES = "qwen35-9b:8k,qwen35-9b:26k,qwen35-9b:64k,qwen35-9b:128k,qwen35-r17:26k"
 ARMS = ("cold", "default", "pagecache", "offloading", "lmcache056")
-TARGET_MODEL = "qwen35-9b"
-SPEEDUP_TARGETS = {
-    ("default", 26624): 5.0,
-    ("default", 131072): 6.0,
-    ("pagecache", 26624): 12.0,
-    ("pagecache", 131072): 20.0,
-}
-BOUND_TARGET = 0.8  # disk bound / restore TTFT, this wheel's default server
+MAIN_MODEL = "qwen35-9b"  # drawn with solid lines
 RESTORES, NEW_TOKENS, MAX_POSITIONS, WARM_BLOCKS = 3, 8, 262144, 16
 SERVER_STATS_ARGS = ("--enable-extra-logging", "--extra-logging-interval", "0.25")
 MIN_ENGINE_S = 90.0  # no engine is started with less of --time-limit-s left
@@ -73,18 +93,18 @@ class Skipped(StepError):
     """An environment limit (--time-limit-s, disk, /dev/shm, no install): no result."""
 
 
-def block(m: gate.ModelSpec) -> int:
-    return gate.expected_geometry(m).block_size
+def block(m: ModelSpec) -> int:
+    return expected_geometry(m).block_size
 
 
-def prompt_bytes(m: gate.ModelSpec, p: int) -> int:
+def prompt_bytes(m: ModelSpec, p: int) -> int:
     """What storing a prompt writes (chunk N, either connector): every layer of every block."""
-    return (p // block(m)) * gate.expected_chunk_bytes(m, block(m))
+    return (p // block(m)) * expected_chunk_bytes(m, block(m))
 
 
 def prompt(p: int, tag: str) -> list[int]:
     """One prompt per (tag, length); no two share a prefix."""
-    return gate.make_prompt(p, seed=zlib.crc32(f"{tag}:{p}".encode()))
+    return make_prompt(p, seed=zlib.crc32(f"{tag}:{p}".encode()))
 
 
 def offloading_transfer_config(root: Path, cpu_bytes: int, engine_id: str) -> dict[str, Any]:
@@ -104,14 +124,14 @@ def offloading_transfer_config(root: Path, cpu_bytes: int, engine_id: str) -> di
 
 
 def engine_spec(
-    m: gate.ModelSpec, p: int, role: str, model_dir: Path, conn: Any = None, cold: str = ""
+    m: ModelSpec, p: int, role: str, model_dir: Path, conn: Any = None, cold: str = ""
 ) -> dict[str, Any]:
-    """gate.base_spec; ``conn``: {"lmcache": port} or {"kv_transfer_config": ...}. store: A
+    """base_spec; ``conn``: {"lmcache": port} or {"kv_transfer_config": ...}. store: A
     (KV hashed), W (short), B, D. restore: warm-up (cold prefill if ``cold``, W), A (KV hashed),
     B, D, each then followed by a cold prefill of a ``cold`` prompt if ``cold``."""
     n, a, (util, std), conn = block(m), prompt(p, "A"), ENGINE[m.name], conn or {}
     w = prompt(min(p, WARM_BLOCKS * n + n // 2), "W")
-    spec = gate.base_spec(m, n, role, model_dir, a, conn.get("lmcache"))
+    spec = base_spec(m, n, role, model_dir, a, conn.get("lmcache"))
     spec.update(
         gpu_memory_utilization=util,
         weight_std=std,
@@ -225,8 +245,13 @@ def bound_of(row: dict[str, Any]) -> dict[str, Any] | None:
         "restore_s": restore,
         "restore_over_bound": restore / bound,
         "bound_over_restore": bound / restore,
-        "met": bound / restore >= BOUND_TARGET,
     }
+
+
+def object_group_means(inventory: dict[str, Any]) -> dict[str, float]:
+    """Mean object bytes per object group of an L2 inventory (``l2.tier_inventory``)."""
+    groups = inventory.get("per_object_group") or {}
+    return {og: g["bytes"] / g["objects"] for og, g in groups.items() if g.get("objects")}
 
 
 def row_key(model: str, p: int, arm: str) -> str:
@@ -253,7 +278,7 @@ def failed(row: dict[str, Any], why: str, blame: bool = True) -> None:
         finding(row, f"did not run: {why[-600:]}")
 
 
-def fill_restore_row(row: dict[str, Any], m: gate.ModelSpec, store: Any, res: Any, ctx: Any) -> Any:
+def fill_restore_row(row: dict[str, Any], m: ModelSpec, store: Any, res: Any, ctx: Any) -> Any:
     """A restore engine's timed restores and colds (its measured request, cold_reference and
     timed_pairs), KV bytes and tokens against the store engine's, findings. ``ctx``: the server
     log's windows and prefetch lines, the L2 groups' sizes (LMCache); {}: /proc/self/io."""
@@ -266,12 +291,12 @@ def fill_restore_row(row: dict[str, Any], m: gate.ModelSpec, store: Any, res: An
     restores = [s for k, s in reqs if k == "restore"]
     warm = [w] if (w := (res.get("warm_first") or {}).get("restore")) else []
     spans = [tuple(s.get("probe") or ({}, {})) for s in warm + restores]
-    hits = [gate.connector_hit(s)[0] for s in warm + restores]
+    hits = [connector_hit(s)[0] for s in warm + restores]
     rates = [None] * len(restores)  # the OffloadingConnector's timed loads reach no log of ours
     if ctx:
         epochs = [(a["epoch"], b["epoch"]) if a else None for a, b in spans]
         rates = timed_h2d(ctx["windows"], list(zip(epochs, hits, strict=True)))[len(warm) :]
-    fa = gate._layer_types(m).count("full_attention") * n * gate.attn_bytes_per_token(m)
+    fa = layer_types(m).count("full_attention") * n * attn_bytes_per_token(m)
     row["restores"], hits = [], hits[len(warm) :]
     for s, hit, h2d, (a, b) in zip(restores, hits, rates, spans[len(warm) :], strict=True):
         got: dict[str, Any] = {"ttft_s": s.get("ttft_s"), "hit_tokens": hit, "h2d_gbps": h2d}
@@ -284,16 +309,16 @@ def fill_restore_row(row: dict[str, Any], m: gate.ModelSpec, store: Any, res: An
         row["restores"].append(got)
     colds = [s["ttft_s"] for k, s in reqs if k == "cold" and s and not s.get("num_cached_tokens")]
     row.update(
-        restore_ttft_s=gate.median([r["ttft_s"] for r in row["restores"] if r["hit_tokens"]]),
-        read_bytes=gate.median([r.get("read_bytes") for r in row["restores"]]),
-        h2d_gbps=gate.median(rates),
+        restore_ttft_s=median([r["ttft_s"] for r in row["restores"] if r["hit_tokens"]]),
+        read_bytes=median([r.get("read_bytes") for r in row["restores"]]),
+        h2d_gbps=median(rates),
         h2d_timed=sum(r is not None for r in rates),
         cold_in_engine_ttfts_s=colds,
-        cold_in_engine_s=gate.median(colds),
+        cold_in_engine_s=median(colds),
         hit_tokens=hits[0],
-        required_hit=gate.required_hit(p, n),
+        required_hit=required_hit(p, n),
     )
-    kv = gate.compare_kv_hashes(store.get("kv_hashes"), res.get("kv_hashes"), hits[0])
+    kv = compare_kv_hashes(store.get("kv_hashes"), res.get("kv_hashes"), hits[0])
     row["kv"] = {**kv, "mismatches": kv["mismatches"][:4]}
     row["tokens_match"] = store.get("tokens") == res.get("tokens")
     before = len(row["findings"])
@@ -308,57 +333,8 @@ def fill_restore_row(row: dict[str, Any], m: gate.ModelSpec, store: Any, res: An
     row["correct"] = len(row["findings"]) == before
 
 
-def evaluate_targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The README's targets on the 9B-class model; not measured, or not correct, is missed."""
-    checks = [(arm, p, need, "speedup") for (arm, p), need in SPEEDUP_TARGETS.items()]
-    checks += [
-        ("default", p, BOUND_TARGET, "bound")
-        for p in LENGTHS.values()
-        if row_key(TARGET_MODEL, p, "default") in rows
-    ]
-    out = []
-    for arm, p, need, kind in checks:
-        r = rows.get(row_key(TARGET_MODEL, p, arm)) or {}
-        bound = (r.get("disk_bound") or {}).get("bound_over_restore")
-        value = r.get("speedup") if kind == "speedup" else bound
-        detail = f"cold arm / {arm} median TTFT" if kind == "speedup" else "disk bound / TTFT"
-        resident = (r.get("page_cache") or {}).get("resident_fraction")
-        if arm == "pagecache" and resident is not None and resident < 0.95:
-            detail += f"; only {resident:.0%} of the L2 bytes were in the page cache"
-        target = {
-            "target": f"{arm}_{kind}_{p // 1024}k",
-            "value": value,
-            "threshold": need,
-            "met": value is not None and value >= need and bool(r.get("correct")),
-            "detail": f"{TARGET_MODEL}, {p} tokens: {detail}",
-        }
-        out.append(target)
-    for p in LENGTHS.values():
-        if row_key(TARGET_MODEL, p, "default") in rows:
-            out.append(peer_target(rows, p))
-    return out
-
-
-def peer_target(rows: dict[str, dict[str, Any]], p: int) -> dict[str, Any]:
-    """This wheel's default server restores faster than the OffloadingConnector at ``p`` tokens,
-    and correctly; a peer that restored wrong state or nothing cannot beat it."""
-    ours = rows[row_key(TARGET_MODEL, p, "default")]
-    peer = rows.get(row_key(TARGET_MODEL, p, "offloading")) or {}
-    mine, theirs = ours.get("restore_ttft_s"), peer.get("restore_ttft_s")
-    value = theirs / mine if mine and theirs else None
-    beaten = peer.get("correct") is False  # it restored wrong state or nothing (not: did not run)
-    return {
-        "target": f"default_faster_than_offloading_{p // 1024}k",
-        "value": value,
-        "threshold": 1.0,
-        "met": bool(ours.get("correct")) and (beaten or (value is not None and value > 1.0)),
-        "detail": f"{TARGET_MODEL}, {p} tokens: OffloadingConnector / default median TTFT"
-        + ("; the OffloadingConnector's restore was not correct" if beaten else ""),
-    }
-
-
 def summarize(results: dict[str, Any]) -> None:
-    """Rows' cold TTFT, speedup, disk bound; the top-level views, targets and findings."""
+    """Rows' cold TTFT, speedup, disk bound; the top-level views and findings."""
     rows, ordered = results["rows"], sorted(results["rows"].values(), key=sort_key)
     for r in (r for r in ordered if r["arm"] != "cold"):
         cold = rows.get(row_key(r["model"], r["prompt_tokens"], "cold")) or {}
@@ -391,11 +367,10 @@ def summarize(results: dict[str, Any]) -> None:
             if r.get("disk_bound")
         ],
     }
-    results["targets"] = evaluate_targets(rows)
     results["findings"] = [f for r in ordered for f in r.get("findings") or []]
 
 
-_f = gate.fmt
+_f = fmt
 HEADER = (
     "model | prompt | arm | hit | cold | restore (n) | speedup | cold in engine | L2 GB read"
     " | H2D GB/s (timed) | bound s | bound/restore | page cache | KV bytes | tokens | errors"
@@ -440,11 +415,7 @@ def markdown_report(results: dict[str, Any]) -> str:
             "; ".join(r.get("errors") or [])[:200],
         ]
         rows.append(row)
-    lines += ["", *gate.md_table(HEADER.split(" | "), rows), "", "## Targets", ""] + [
-        f"- {t['target']}: {_f(t['value'])} vs >= {t['threshold']}: "
-        f"{'met' if t['met'] else 'MISSED'} ({t['detail']})"
-        for t in results.get("targets") or []
-    ]
+    lines += ["", *md_table(HEADER.split(" | "), rows)]
     found = [
         f"- {f['model']} {f['prompt_tokens']} {f['arm']}: {f['what'][:600]}"
         for f in results.get("findings") or []
@@ -460,7 +431,7 @@ def write_results(results: dict[str, Any], path: Path) -> None:
     """<stem>.json, <stem>.md and, where matplotlib imports, <stem>-ttft.png and -gbps.png."""
     summarize(results)
     path.parent.mkdir(parents=True, exist_ok=True)
-    gate.write_json_md(path.with_suffix(""), results, markdown_report(results))
+    write_json_md(path.with_suffix(""), results, markdown_report(results))
     write_plots(results, path)
 
 
@@ -483,7 +454,7 @@ def write_plots(results: dict[str, Any], path: Path) -> None:
             if (r["model"], r["arm"]) == (model, arm) and r.get(key)
         )
         if pts:
-            ax.plot(*zip(*pts, strict=True), "o-" if model == TARGET_MODEL else "s:", label=label)
+            ax.plot(*zip(*pts, strict=True), "o-" if model == MAIN_MODEL else "s:", label=label)
     ax.set(xscale="log", yscale="log", xlabel="prompt (k tokens)", ylabel="TTFT (s)")
     ax.legend(fontsize=7)
     fig.savefig(path.with_name(f"{path.stem}-ttft.png"), dpi=120, bbox_inches="tight")
@@ -499,7 +470,7 @@ def write_plots(results: dict[str, Any], path: Path) -> None:
     ax.bar([i - 0.2 for i in x], bound, 0.4, label="bound: bytes / (read + pinned H2D)")
     ax.bar([i + 0.2 for i in x], got, 0.4, label="restore: bytes read / TTFT")
     ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set(ylabel="GB/s", title=f"{TARGET_MODEL}: L2 bytes per second of restore TTFT")
+    ax.set(ylabel="GB/s", title=f"{MAIN_MODEL}: L2 bytes per second of restore TTFT")
     ax.legend(fontsize=7)
     fig.savefig(path.with_name(f"{path.stem}-gbps.png"), dpi=120, bbox_inches="tight")
     plt.close(fig)
@@ -524,7 +495,7 @@ def pinned_probe(py: str) -> dict[str, Any]:
     for line in cp.stdout.splitlines():
         if line.startswith("BENCH-PINNED "):
             d = json.loads(line.split(" ", 1)[1])
-            return {**d, "h2d_gbps": d["bytes"] / gate.median(d["h2d_s"]) / GB}
+            return {**d, "h2d_gbps": d["bytes"] / median(d["h2d_s"]) / GB}
     return {"error": (cp.stderr or cp.stdout)[-1500:]}
 
 
@@ -576,7 +547,7 @@ class Bench:
     def save(self) -> None:
         write_results(self.results, self.a.results)
 
-    def row(self, m: gate.ModelSpec, p: int, arm: str) -> dict[str, Any]:
+    def row(self, m: ModelSpec, p: int, arm: str) -> dict[str, Any]:
         r = {
             "model": m.name,
             "prompt_tokens": p,
@@ -584,20 +555,20 @@ class Bench:
             "rates": self.rates,
             "errors": [],
             "findings": [],
-            "geometry": vars(gate.expected_geometry(m)),
+            "geometry": vars(expected_geometry(m)),
         }
         self.results["rows"][row_key(m.name, p, arm)] = r
         return r
 
-    def setup(self, name: str, m: gate.ModelSpec, lmc: Path | None, layout: str) -> Any:
+    def setup(self, name: str, m: ModelSpec, lmc: Path | None, layout: str) -> Any:
         """A fresh work folder, the model folder (positions raised for 128k), the engines' env."""
         shutil.rmtree(wd := self.a.work / name, ignore_errors=True)
         wd.mkdir(parents=True)
-        md = gate.write_model_dir(m, self.a.work / "models")
+        md = write_model_dir(m, self.a.work / "models")
         cfg = json.loads((md / "config.json").read_text())
         cfg.get("text_config", cfg)["max_position_embeddings"] = MAX_POSITIONS
-        gate.atomic_write(md / "config.json", json.dumps(cfg) + "\n")
-        env = gate.child_env(lmc, layout)
+        atomic_write(md / "config.json", json.dumps(cfg) + "\n")
+        env = child_env(lmc, layout)
         env["PYTHONHASHSEED"] = "0"  # vLLM's block hashes name the OffloadingConnector's files
         return wd, md, env
 
@@ -606,16 +577,16 @@ class Bench:
         if left < MIN_ENGINE_S:
             raise Skipped(f"not run: {max(left, 0):.0f} s of --time-limit-s left for {role}")
         print(f"[bench] {wd.name}: {role} engine", flush=True)
-        return gate.run_engine(self.py, env, spec, wd, role, min(self.a.engine_timeout, left))
+        return run_engine(self.py, env, spec, wd, role, min(self.a.engine_timeout, left))
 
-    def colds_fit(self, m: gate.ModelSpec, p: int, engines: int) -> bool:
+    def colds_fit(self, m: ModelSpec, p: int, engines: int) -> bool:
         """Whether restore engines also time (so store) colds: where L2 has room for them."""
         stored = 3 * prompt_bytes(m, p) + prompt_bytes(m, min(p, WARM_BLOCKS * block(m)))
         if (free := shutil.disk_usage(self.a.work).free) < DISK_MARGIN * stored:
             raise Skipped(f"L2 needs {DISK_MARGIN * stored / GB:.0f} GB, {free / GB:.0f} free")
         return free >= DISK_MARGIN * (stored + engines * (RESTORES + 1) * prompt_bytes(m, p))
 
-    def cold_phase(self, m: gate.ModelSpec, lengths: Sequence[int]) -> None:
+    def cold_phase(self, m: ModelSpec, lengths: Sequence[int]) -> None:
         """One engine, no connector, all lengths: per length a warm-up c0, RESTORES timed."""
         rows = {p: self.row(m, p, "cold") for p in lengths}
         try:
@@ -630,7 +601,7 @@ class Bench:
             for p, pair in zip(lengths, res.get("timed_pairs") or [], strict=False):
                 colds = [pair[f"c{i}"] for i in range(1, RESTORES + 1)]
                 ttfts = [c["ttft_s"] for c in colds if not c.get("num_cached_tokens")]
-                rows[p].update(cold_ttfts_s=ttfts, cold_ttft_s=gate.median(ttfts))
+                rows[p].update(cold_ttfts_s=ttfts, cold_ttft_s=median(ttfts))
         except StepError as e:
             for r in rows.values():
                 r["errors"].append(str(e))
@@ -638,7 +609,7 @@ class Bench:
             r["ok"] = not r["errors"] and len(r.get("cold_ttfts_s") or []) == RESTORES
         self.save()
 
-    def restore_phase(self, m: gate.ModelSpec, p: int, arms: Sequence[str], lmc: Any = None) -> Any:
+    def restore_phase(self, m: ModelSpec, p: int, arms: Sequence[str], lmc: Any = None) -> Any:
         """Store once, then per arm restart and restore: LMCache server and engine (pagecache
         first, the files still cached); the OffloadingConnector (arms == ["offloading"]) engine."""
         rows, procs, offload = {a: self.row(m, p, a) for a in arms}, [], arms == ["offloading"]
@@ -651,9 +622,9 @@ class Bench:
         def connector(eid: str, log: Path) -> dict[str, Any]:
             if offload:
                 return {"kv_transfer_config": offloading_transfer_config(tier, cpu, eid)}
-            port, l1 = gate.free_port(), max(4, math.ceil(2.5 * pb / GB) + 2)
+            port, l1 = free_port(), max(4, math.ceil(2.5 * pb / GB) + 2)
             args = (self.py, env, port, block(m), tier, log)
-            procs.append(gate.start_server(*args, l1_size_gb=l1, extra_args=SERVER_STATS_ARGS))
+            procs.append(start_server(*args, l1_size_gb=l1, extra_args=SERVER_STATS_ARGS))
             return {"lmcache": port}
 
         try:
@@ -668,15 +639,15 @@ class Bench:
             spec.update({"step_until_idle_s": 600} if offload else lmc_store)
             store = self.engine(env, spec, wd, "store")
             if not offload:
-                gate.wait_l2_stable(tier, 3 * (p // block(m)), timeout=60 + 8 * pb / GB)
-                gate.kill_group(procs.pop())
+                wait_l2_stable(tier, 3 * (p // block(m)), timeout=60 + 8 * pb / GB)
+                kill_group(procs.pop())
             if not store.get("ok") or (offload and not store.get("idle")):
                 tail = str(store.get("error"))[-1500:]
                 raise StepError(f"store engine (idle: {store.get('idle')}): {tail}")
             files = sorted(tier.rglob("*.bin" if offload else "*.data"))
             inv = {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
             if not offload:
-                inv = gate.l2_backends.folder_inventory(tier)
+                inv = l2_tiers.folder_inventory(tier)
             for arm, eid in zip(arms, ids[1:], strict=True):
                 if arm != "pagecache":
                     fs_l2_read.drop_cache(files)
@@ -689,18 +660,18 @@ class Bench:
                 spec = engine_spec(m, p, "restore", md, conn, f"cold-{arm}" if with_colds else "")
                 res, ctx = self.engine(env, spec, wd, f"restore-{arm}"), {}
                 if not offload:
-                    gate.kill_group(procs.pop())
+                    kill_group(procs.pop())
                     ctx = parse_server_log(log.read_text(errors="replace"))
-                    ctx["groups"] = gate.object_group_means(inv)
+                    ctx["groups"] = object_group_means(inv)
                 fill_restore_row(rows[arm], m, store, res, ctx)
                 rows[arm]["ok"] = not rows[arm]["errors"]
                 self.save()
-        except (StepError, gate.ServerError, OSError) as e:
+        except (StepError, ServerError, OSError) as e:
             for row in (r for r in rows.values() if "ok" not in r):
                 failed(row, str(e), not isinstance(e, (Skipped, OSError)))
         finally:
             for proc in procs:
-                gate.kill_group(proc)
+                kill_group(proc)
             for leftover in (f for i in ids for f in Path("/dev/shm").glob(f"vllm_offload_{i}*")):
                 leftover.unlink(missing_ok=True)
             shutil.rmtree(tier, ignore_errors=True)
@@ -719,9 +690,9 @@ def run(a: argparse.Namespace) -> int | str:
     if unknown := {model for model, _ in cases} - set(MODELS):
         return f"bench: unknown model {unknown}; one of {', '.join(MODELS)}"
     bench = Bench(a, results)  # --time-limit-s counts from here
-    gate.install_cleanup_handler()
+    install_cleanup_handler()
     a.work.mkdir(parents=True, exist_ok=True)
-    envinfo = gate.collect_environment(sys.executable, a.lmcache_dir)
+    envinfo = collect_environment(sys.executable, a.lmcache_dir)
     info = {
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv[1:],
@@ -731,7 +702,7 @@ def run(a: argparse.Namespace) -> int | str:
         "dev_shm_gb": os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free / GB,
     }
     results["runs"].append(info)
-    problem = gate.arm_problem("patched", envinfo["versions"], a.lmcache_dir)
+    problem = arm_problem("patched", envinfo["versions"], a.lmcache_dir)
     if problem and {"default", "pagecache"} & set(arms):
         info["error"] = problem
         bench.save()

@@ -13,7 +13,7 @@ from redis_server import redis  # noqa: F401 - the fixture
 @pytest.fixture
 def adapter(tmp_path: Path) -> Iterator[Any]:
     """LMCache's real fs L2 adapter (FSL2Adapter) on ``tmp_path / "l2"``."""
-    from l2_fakes import open_adapter
+    from fs_l2_driver import open_adapter
 
     adp = open_adapter(tmp_path / "l2")
     try:

@@ -14,7 +14,7 @@ from typing import Any
 
 import aiofiles
 import pytest
-from l2_fakes import load, store
+from fs_l2_driver import load, store
 
 N_OBJECTS = 8
 PAYLOADS = [bytes([i + 1]) * 4096 for i in range(N_OBJECTS)]

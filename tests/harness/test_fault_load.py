@@ -1,6 +1,6 @@
-"""CPU tests of the GPU fault case and load script (tests/gpu/fault_kill_mid_store.py,
-tests/gpu/load.py) and of engine_proc.py's load role: every pure part, and both scripts'
-process flow with fake servers and engines. No GPU, no vLLM engine."""
+"""The GPU fault case and load run (hybridfa_gate.fault, hybridfa_gate.load) and the engine
+process's load role: every pure part, and both runs' process flow with fake servers and
+engines. No GPU, no vLLM engine."""
 
 from __future__ import annotations
 
@@ -16,14 +16,12 @@ from types import SimpleNamespace as NS
 from typing import Any
 
 import pytest
-from script_modules import GPU_DIR
-from script_modules import load_script as _load
 
-load = _load("hybridfa_gpu_load", GPU_DIR / "load.py")
-fault = _load("hybridfa_gpu_fault", GPU_DIR / "fault_kill_mid_store.py")
-engine_proc = _load("hybridfa_gpu_engine_proc_load", GPU_DIR / "engine_proc.py")
-gate = load.gate
-assert fault.gate is gate
+from hybridfa_gate import engine_proc, fault, load, procs, prompts, worker
+from hybridfa_gate.l2 import folder_inventory
+from hybridfa_gate.run import ColdRuns
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _obj(l2: Path, i: int, size: int = 64, rank: int = 0) -> Path:
@@ -37,21 +35,20 @@ def _obj(l2: Path, i: int, size: int = 64, rank: int = 0) -> Path:
 
 
 def test_scripts_import_and_plan_without_vllm_torch_or_lmcache(tmp_path: Path) -> None:
-    code = f"""
+    code = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in ("vllm", "torch", "lmcache", "blake3", "numpy"):
             raise ImportError("blocked " + name)
 sys.meta_path.insert(0, Block())
-sys.path.insert(0, {str(GPU_DIR)!r})
-import engine_proc, fault_kill_mid_store, load
+from hybridfa_gate import engine_proc, fault, load
 from pathlib import Path
-assert fault_kill_mid_store.main(["--plan"]) == 0
+assert fault.main(["--plan"]) == 0
 cfg = load.LoadConfig(arm="patched", lmcache_dir=Path("."), out=Path("."))
 print("pool", len(load.phase_spec(cfg, Path("model"), 1, 0, Path("work"))["pool"]))
 """
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     cp = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path
     )
@@ -72,7 +69,7 @@ def test_pool_is_deterministic_and_shares_exactly_the_family_prefix() -> None:
         load.Workload(families=3, members=4, prefix_chunks=2, distinct=5), CHUNK
     )
     assert len(pool) == 3 * 4 + 5
-    assert all(gate.TOKEN_LO <= t < gate.TOKEN_HI for e in pool for t in e.tokens)
+    assert all(prompts.TOKEN_LO <= t < prompts.TOKEN_HI for e in pool for t in e.tokens)
     plen = W.prefix_chunks * CHUNK
     for f in range(W.families):
         members = [e.tokens for e in pool if e.family == f]
@@ -229,13 +226,13 @@ def test_lost_objects_from_two_inventories(tmp_path: Path) -> None:
     for i in range(4):
         _obj(l2, i)
     (l2 / "x.tmp").write_bytes(b"half")  # an interrupted write is not an object
-    before = gate.l2_backends.folder_inventory(l2, with_files=True)
+    before = folder_inventory(l2, with_files=True)
     assert before["objects"] == 4 and len(before["files"]) == 4
-    assert "files" not in gate.l2_backends.folder_inventory(l2)  # the gate's own calls
+    assert "files" not in folder_inventory(l2)  # the gate's own calls
     _obj(l2, 0).unlink()
     _obj(l2, 1, size=10)
     _obj(l2, 9)  # a new object is not lost
-    after = gate.l2_backends.folder_inventory(l2, with_files=True)
+    after = folder_inventory(l2, with_files=True)
     lost = load.lost_objects([before["files"], after["files"]])
     assert [Path(n).name[-9:] for n in lost] == ["0000.data", "0001.data"]  # missing, resized
     assert load.lost_objects([before["files"], before["files"], after["files"]]) == lost
@@ -330,7 +327,7 @@ def test_phase_spec(tmp_path: Path) -> None:
     assert other["sequence"] != spec["sequence"] and other["pool"] == spec["pool"]
 
 
-# --- load.py's flow with a fake server and fake engines ---------------------------------
+# --- the load run's flow with a fake server and fake engines ---------------------------------
 
 
 class _FakeProc:
@@ -396,9 +393,9 @@ def _fake_flow(
         servers.append(port)
         return _FakeProc()
 
-    monkeypatch.setattr(gate, "start_server", start_server)
-    monkeypatch.setattr(gate, "run_engine", _fake_load_engine(l2, None, wrong, lose))
-    monkeypatch.setattr(gate, "kill_group", killed.append)
+    monkeypatch.setattr(load, "start_server", start_server)
+    monkeypatch.setattr(load, "run_engine", _fake_load_engine(l2, None, wrong, lose))
+    monkeypatch.setattr(load, "kill_group", killed.append)
     return servers, killed
 
 
@@ -579,7 +576,7 @@ def _runner(torch, n=80, r=5, page=16, blocks=([0, 3, 1, 2], [5, 3, 1, 2])):
         torch.randn(8, 3, 16, generator=g).to(torch.bfloat16),
         torch.randn(8, 2, 4, 4, generator=g),
     ]
-    tokens = gate.make_prompt(3 * n + 10, seed=4)
+    tokens = prompts.make_prompt(3 * n + 10, seed=4)
     mr = NS(
         requests={"req-1-int": NS(prompt_token_ids=tokens, block_ids=blocks)},
         compilation_config=NS(
@@ -591,7 +588,7 @@ def _runner(torch, n=80, r=5, page=16, blocks=([0, 3, 1, 2], [5, 3, 1, 2])):
                 NS(kv_cache_spec=NS(block_size=n), layer_names=["fa.0"]),
             ]
         ),
-        _gate_blocks={gate.prompt_key(tokens): [list(b) for b in blocks]},
+        _gate_blocks={prompts.prompt_key(tokens): [list(b) for b in blocks]},
     )
     return NS(worker=NS(model_runner=mr, rank=0)), tokens
 
@@ -599,13 +596,13 @@ def _runner(torch, n=80, r=5, page=16, blocks=([0, 3, 1, 2], [5, 3, 1, 2])):
 def test_block_hashes_of_a_running_request_equal_the_gates_hashes() -> None:
     torch = pytest.importorskip("torch")
     w, tokens = _runner(torch)
-    full = engine_proc._rpc_kv_hashes(w, gate.prompt_key(tokens), len(tokens))
-    some = engine_proc._rpc_block_hashes(w, "req-1-int", len(tokens), [1, 3])
+    full = worker.rpc_kv_hashes(w, prompts.prompt_key(tokens), len(tokens))
+    some = worker.rpc_block_hashes(w, "req-1-int", len(tokens), [1, 3])
     assert some["rank"] == 0 and "block_ids" not in some
     assert some["fa"]["fa.0"] == {j: full["fa"]["fa.0"][j] for j in ("1", "3")}
     assert some["gdn"]["gdn.0"] == {"1": full["gdn"]["gdn.0"]["1"]}  # block 3 is partial
     assert sorted(full["fa"]["fa.0"], key=int) == ["0", "1", "2", "3"]
-    gone = engine_proc._rpc_block_hashes(w, "other", len(tokens), [0])
+    gone = worker.rpc_block_hashes(w, "other", len(tokens), [0])
     assert gone["missing"] and load.flatten_hashes([gone]) == {}
 
 
@@ -757,11 +754,11 @@ def test_fault_spec(tmp_path: Path) -> None:
     spec = fault.fault_spec(fc, "fault-store", tmp_path, 4242)
     json.dumps(spec)
     assert spec["role"] == "fault-store" and len(spec["prompt"]) == fc.prompt_len == 16047
-    assert spec["prompt_key"] == gate.prompt_key(spec["prompt"])
+    assert spec["prompt_key"] == prompts.prompt_key(spec["prompt"])
     assert len(spec["warmup"]) < fc.case.chunk  # no L2 object but the long prompt's
     extra = spec["lmcache"]["extra_config"]
     assert extra["lmcache.mp.heartbeat_interval"] == 2.0 and extra["lmcache.mp.mq_timeout"] == 60.0
-    assert spec["max_model_len"] >= len(spec["prompt"]) + gate.NEW_TOKENS
+    assert spec["max_model_len"] >= len(spec["prompt"]) + prompts.NEW_TOKENS
     assert "l2" not in spec and spec["kv_cache_memory_bytes"] == 4 << 30
     assert "lmcache" not in fault.fault_spec(fc, "cold", tmp_path, None)
     assert "cold_reference" not in fault.fault_spec(fc, "restore", tmp_path, 4242)
@@ -819,10 +816,10 @@ def test_fault_flow_with_fakes(tmp_path: Path, monkeypatch) -> None:
         # restored n chunks: the GDN checkpoint at the hit boundary, block n - 1
         return _engine(2.0, 0.3, cached=80 * n, hashes=_kv(fa, {str(n - 1): f"g{n - 1}"}))
 
-    monkeypatch.setattr(gate, "start_server", start_server)
-    monkeypatch.setattr(gate, "run_engine", run_engine)
-    monkeypatch.setattr(gate, "kill_group", kill_group)
-    rec = fault.run_fault(fc, gate.ColdRuns())
+    monkeypatch.setattr(fault, "start_server", start_server)
+    monkeypatch.setattr(fault, "run_engine", run_engine)
+    monkeypatch.setattr(fault, "kill_group", kill_group)
+    rec = fault.run_fault(fc, ColdRuns())
     ev = rec["eval"]
     assert rec["kill"]["decision"] == "kill" and rec["kill_target"] == 6
     assert 6 <= ev["complete_objects"] < 20 and servers == ["server1.log", "server2.log"]
@@ -841,8 +838,8 @@ def test_server_log_facts_count_the_l2_objects_found_damaged() -> None:
         "Incomplete O_DIRECT read for c.data: expected 4096, got 0\n"
         "Stored 80 tokens\n"
     )
-    assert gate.server_log_facts(text)["l2_discards"] == 3
-    assert gate.server_log_facts("")["l2_discards"] == 0
+    assert procs.server_log_facts(text)["l2_discards"] == 3
+    assert procs.server_log_facts("")["l2_discards"] == 0
 
 
 def test_fault_report_renders_an_engine_failure() -> None:
