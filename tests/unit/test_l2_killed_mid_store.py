@@ -1,5 +1,4 @@
-"""The LMCache server SIGKILLed mid-store: after a restart only complete objects restore
-(our issue 8, item 3).
+"""The LMCache server SIGKILLed mid-store: after a restart only complete objects restore.
 
 A child process stands in for the server: it stores NUM_KEYS objects of SIZE bytes
 (deterministic contents per key), one store task after another, through LMCache's real

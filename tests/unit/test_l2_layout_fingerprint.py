@@ -1,4 +1,4 @@
-"""The disk tier after an upgrade from pristine LMCache 0.5.3 (our issue 8).
+"""The disk tier after an upgrade from pristine LMCache 0.5.3.
 
 An fs L2 folder written by pristine 0.5.3 holds, for a hybrid model, objects with one
 kernel page per full-attention block: the wrong page. The patched server must never
