@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from bench import gpu_restore as bench
+from bench import restore_report
 from hybridfa_gate import engine_proc
 from hybridfa_gate.models import attn_bytes_per_token
 
@@ -102,7 +103,7 @@ def new_row(arm: str = "default", p: int = 2 * N + 100) -> dict[str, Any]:
 def test_disk_bound_reads_at_the_disk_rate_then_copies_at_the_pinned_rate() -> None:
     rates = {"disk_read_gbps": 2.0, "page_cache_read_gbps": 10.0, "pinned_h2d_gbps": 50.0}
     row = {"arm": "default", "rates": rates, "read_bytes": 2e9, "restore_ttft_s": 1.3}
-    b = bench.bound_of(row)
+    b = restore_report.bound_of(row)
     assert b["bound_s"] == pytest.approx(1.0 + 0.04)
     assert b["bound_over_restore"] == pytest.approx(1.04 / 1.3)
     assert b["restore_over_bound"] == pytest.approx(1.3 / 1.04)
@@ -111,12 +112,13 @@ def test_disk_bound_reads_at_the_disk_rate_then_copies_at_the_pinned_rate() -> N
 def test_the_page_cache_arms_bound_reads_at_the_page_cache_rate() -> None:
     rates = {"disk_read_gbps": 2.0, "page_cache_read_gbps": 10.0, "pinned_h2d_gbps": 50.0}
     row = {"arm": "pagecache", "rates": rates, "read_bytes": 2e9, "restore_ttft_s": 1.0}
-    assert bench.bound_of(row)["bound_s"] == pytest.approx(0.2 + 0.04)
+    assert restore_report.bound_of(row)["bound_s"] == pytest.approx(0.2 + 0.04)
 
 
 def test_no_bound_without_the_bytes_read() -> None:
     rates = {"disk_read_gbps": 2.0, "pinned_h2d_gbps": 50.0}
-    assert bench.bound_of({"arm": "default", "rates": rates, "restore_ttft_s": 1.0}) is None
+    row = {"arm": "default", "rates": rates, "restore_ttft_s": 1.0}
+    assert restore_report.bound_of(row) is None
 
 
 # --- restored bytes and H2D rates ------------------------------------------------------------

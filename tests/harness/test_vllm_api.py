@@ -110,3 +110,16 @@ def test_the_gates_adapter_loads_as_qwen35_lora_modules(tmp_path: Path) -> None:
     assert {n for n, _ in names} == {
         f"language_model.model.layers.{i}.self_attn.{p}" for i in (3, 7) for p in lora.TARGETS
     }
+
+
+def test_the_in_process_engine_loop_the_timed_requests_drive() -> None:
+    """LLMEngine.step over an in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): the
+    client whose get_output the prefill tap wraps, and the scheduler's connector whose lookups
+    the restore timeline records."""
+    core_client = _source("vllm.v1.engine.core_client")
+    inproc = core_client[core_client.index("class InprocClient") :][:3000]
+    assert "self.engine_core = EngineCore(" in inproc and "def get_output(self)" in inproc
+    assert "def step(self)" in _source("vllm.v1.engine.llm_engine")
+    assert "def collective_rpc(" in _source("vllm.entrypoints.llm")
+    base = _source("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    assert "def get_num_new_matched_tokens(" in base
