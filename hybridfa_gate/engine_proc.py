@@ -293,7 +293,7 @@ def _generate(llm: Any, tokens: list[int], params: Any) -> Any:
 
 
 # Roles that run the health request after the measured one. fault-store is a store engine
-# whose LMCache server fault_kill_mid_store.py SIGKILLs during the measured request: the
+# whose LMCache server fault.py SIGKILLs during the measured request: the
 # health request is then the "further request" that must finish within a bounded time.
 HEALTH_ROLES = ("restore", "cold", "fault-store")
 
