@@ -14,9 +14,12 @@ Layers, bottom up (each imports only those above it in this list):
 - ``report``     JSON and markdown reports
 - ``run``        one case, many cases, the run's environment
 
-Entry points (from the checkout root; only the standard library is imported in this process,
-vLLM and torch only in the engines): ``python -m pytest tests/gpu`` (the installed lmcache),
-``python -m hybridfa_gate`` (many cases, one arm), ``python -m hybridfa_gate.control``
-(the control arm's lmcache tree), ``python -m hybridfa_gate.fault`` and
+The engine itself is ``engine_proc`` (one vLLM engine per process; ``worker`` holds what it
+runs inside vLLM's worker), started by ``procs``; it imports torch and vLLM.
+
+Entry points, from the checkout root (this process imports the standard library only, and
+blake3 for a forged case; vLLM and torch only the engines): ``python -m pytest tests/gpu`` (the
+installed lmcache), ``python -m hybridfa_gate`` (many cases, one arm), ``python -m
+hybridfa_gate.control`` (the control arm's lmcache tree), ``python -m hybridfa_gate.fault`` and
 ``python -m hybridfa_gate.load`` (the fault and load runs). docs/gpu-node.md has the recipes.
 """

@@ -8,6 +8,7 @@ prompt block; ``judge.py`` compares them.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,19 +37,13 @@ class RunConfig:
     arm: str
     lmcache_dir: Path
     out: Path
-    python: str = ""  # default: this interpreter
+    python: str = field(default_factory=lambda: sys.executable)
     gpu_memory_utilization: float = 0.25
     kv_cache_memory_bytes: int | None = None  # --kv-cache-gib
     jobs: int = 1
     engine_timeout: float = 420.0
     keep_l2: bool = False
     work: Path = field(default_factory=lambda: Path("/tmp/hybridfa-gate"))
-
-    def __post_init__(self) -> None:
-        if not self.python:
-            import sys
-
-            self.python = sys.executable
 
 
 def base_spec(
