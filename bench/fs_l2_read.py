@@ -14,8 +14,8 @@ in a shuffled order over ``--reps`` repetitions (the disk of a VM is noisy) and
 reported as medians; a "warm" pass per variant (files in the page cache) isolates the CPU cost.
 
 Run from the repo root, one arm (the lmcache on PYTHONPATH) or both (a child per arm):
-    PYTHONPATH=build/lmc-patched /work/venv/bin/python bench/fs_l2_read.py
-    /work/venv/bin/python bench/fs_l2_read.py --arms patched,pristine --out FILE
+    PYTHONPATH=build/lmc-patched python bench/fs_l2_read.py
+    python bench/fs_l2_read.py --arms patched,pristine --out FILE
 JSON goes to stdout (and --out), the one-paragraph summary to stderr.
 """
 
@@ -300,15 +300,23 @@ def machine(folder: Path) -> dict[str, Any]:
     return info
 
 
+def host_object(raw: Any) -> Any:
+    """LMCache's real TensorMemoryObj over a flat uint8 CPU tensor, as the server holds."""
+    import torch
+
+    from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+
+    meta = MemoryObjMetadata(
+        shape=raw.shape, dtype=torch.uint8, address=0, phy_size=raw.numel(), ref_count=1
+    )
+    return TensorMemoryObj(raw, meta, None)
+
+
 def run_arm(args: argparse.Namespace) -> dict[str, Any]:
     import blake3
     import torch
 
     import lmcache
-
-    sys.path.insert(0, str(REPO / "tests" / "unit"))
-    from hybrid_kv import host_object
-
     from lmcache.v1.distributed.api import ObjectKey
     from lmcache.v1.distributed.l2_adapters import fs_l2_adapter as mod
 

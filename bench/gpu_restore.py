@@ -1,7 +1,8 @@
-"""GPU benchmark (issue 22): restore TTFT after a restart, every arm side by side on one node:
-cold, default, pagecache, offloading, lmcache056 (bench/README.md). Engines are
-tests/gpu/engine_proc.py processes started by tests/gpu/gate.py; the results (JSON, markdown)
-are rewritten after every measured step."""
+"""GPU benchmark: restore TTFT after a restart, every arm side by side on one machine:
+cold, default, pagecache, offloading, lmcache056 (bench/README.md). Engines are the restart
+gate's (hybridfa_gate.engine_proc processes started by hybridfa_gate.procs); the results (JSON,
+markdown) are rewritten after every measured step. Run from the checkout root:
+``python -m bench.gpu_restore --lmcache-dir ...``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import json
 import math
 import mmap
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -21,16 +21,53 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests" / "gpu"), str(REPO / "bench")]
-import fs_l2_read  # noqa: E402  (stdlib only at import: its page-cache functions)
-import gate  # noqa: E402  (stdlib only: the restart gate's functions)
+from bench import fs_l2_read  # stdlib only at import: its page-cache functions
+from bench.restore_report import (
+    ARMS,
+    GB,
+    l2_read_bytes,
+    markdown_report,
+    new_results,
+    object_group_means,
+    offloading_transfer_config,
+    parse_server_log,
+    row_key,
+    timed_h2d,
+    write_results,
+)
+from hybridfa_gate import l2 as l2_tiers
+from hybridfa_gate.judge import compare_kv_hashes, connector_hit
+from hybridfa_gate.models import (
+    MODELS as GATE_MODELS,
+)
+from hybridfa_gate.models import (
+    ModelSpec,
+    atomic_write,
+    attn_bytes_per_token,
+    expected_chunk_bytes,
+    expected_geometry,
+    layer_types,
+    write_model_dir,
+)
+from hybridfa_gate.procs import (
+    ServerError,
+    child_env,
+    free_port,
+    install_cleanup_handler,
+    kill_group,
+    run_engine,
+    start_server,
+    wait_l2_stable,
+)
+from hybridfa_gate.prompts import make_prompt, median, required_hit
+from hybridfa_gate.run import arm_problem, collect_environment
+from hybridfa_gate.specs import WEIGHT_STD, base_spec
 
-GB, GIB = 1e9, 1 << 30
-SCHEMA = "hybridfa-bench-gpu/2"
+REPO = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
 # Qwen3.5-9B-like text model: hidden 4096, 32 layers (24 GDN + 8 FA), 16 q / 4 kv heads of 256,
 # GDN 16 key / 32 value heads of 128, fp32 state; the gate's vocab (8192), so ~7.0 B params.
-QWEN35_9B = gate.ModelSpec(
+QWEN35_9B = ModelSpec(
     "qwen35-9b",
     "qwen3_5",
     num_kv_heads=4,
@@ -45,20 +82,11 @@ QWEN35_9B = gate.ModelSpec(
     intermediate_size=12288,
     num_hidden_layers=32,
 )
-MODELS = {"qwen35-9b": QWEN35_9B, "qwen35-r17": gate.MODELS["qwen35-r17"]}
+MODELS = {"qwen35-9b": QWEN35_9B, "qwen35-r17": GATE_MODELS["qwen35-r17"]}
 # gpu_memory_utilization, weight_std (None: vLLM's dummy weights, timing only) per model
-ENGINE = {"qwen35-9b": (0.45, None), "qwen35-r17": (0.30, gate.WEIGHT_STD)}
+ENGINE = {"qwen35-9b": (0.45, None), "qwen35-r17": (0.30, WEIGHT_STD)}
 LENGTHS = {"8k": 8192, "26k": 26624, "64k": 65536, "128k": 131072}
 DEFAULT_CASES = "qwen35-9b:8k,qwen35-9b:26k,qwen35-9b:64k,qwen35-9b:128k,qwen35-r17:26k"
-ARMS = ("cold", "default", "pagecache", "offloading", "lmcache056")
-TARGET_MODEL = "qwen35-9b"
-SPEEDUP_TARGETS = {
-    ("default", 26624): 5.0,
-    ("default", 131072): 6.0,
-    ("pagecache", 26624): 12.0,
-    ("pagecache", 131072): 20.0,
-}
-BOUND_TARGET = 0.8  # disk bound / restore TTFT, this wheel's default server
 RESTORES, NEW_TOKENS, MAX_POSITIONS, WARM_BLOCKS = 3, 8, 262144, 16
 SERVER_STATS_ARGS = ("--enable-extra-logging", "--extra-logging-interval", "0.25")
 MIN_ENGINE_S = 90.0  # no engine is started with less of --time-limit-s left
@@ -73,45 +101,29 @@ class Skipped(StepError):
     """An environment limit (--time-limit-s, disk, /dev/shm, no install): no result."""
 
 
-def block(m: gate.ModelSpec) -> int:
-    return gate.expected_geometry(m).block_size
+def block(m: ModelSpec) -> int:
+    return expected_geometry(m).block_size
 
 
-def prompt_bytes(m: gate.ModelSpec, p: int) -> int:
+def prompt_bytes(m: ModelSpec, p: int) -> int:
     """What storing a prompt writes (chunk N, either connector): every layer of every block."""
-    return (p // block(m)) * gate.expected_chunk_bytes(m, block(m))
+    return (p // block(m)) * expected_chunk_bytes(m, block(m))
 
 
 def prompt(p: int, tag: str) -> list[int]:
     """One prompt per (tag, length); no two share a prefix."""
-    return gate.make_prompt(p, seed=zlib.crc32(f"{tag}:{p}".encode()))
-
-
-def offloading_transfer_config(root: Path, cpu_bytes: int, engine_id: str) -> dict[str, Any]:
-    """vLLM 0.26.0's OffloadingConnector: a CPU tier and a file-system tier under ``root``.
-    ``engine_id`` names its /dev/shm region, which an engine that is killed leaves behind."""
-    extra = {
-        "spec_name": "TieringOffloadingSpec",
-        "cpu_bytes_to_use": int(cpu_bytes),
-        "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
-    }
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "engine_id": engine_id,
-        "kv_connector_extra_config": extra,
-    }
+    return make_prompt(p, seed=zlib.crc32(f"{tag}:{p}".encode()))
 
 
 def engine_spec(
-    m: gate.ModelSpec, p: int, role: str, model_dir: Path, conn: Any = None, cold: str = ""
+    m: ModelSpec, p: int, role: str, model_dir: Path, conn: Any = None, cold: str = ""
 ) -> dict[str, Any]:
-    """gate.base_spec; ``conn``: {"lmcache": port} or {"kv_transfer_config": ...}. store: A
+    """base_spec; ``conn``: {"lmcache": port} or {"kv_transfer_config": ...}. store: A
     (KV hashed), W (short), B, D. restore: warm-up (cold prefill if ``cold``, W), A (KV hashed),
     B, D, each then followed by a cold prefill of a ``cold`` prompt if ``cold``."""
     n, a, (util, std), conn = block(m), prompt(p, "A"), ENGINE[m.name], conn or {}
     w = prompt(min(p, WARM_BLOCKS * n + n // 2), "W")
-    spec = gate.base_spec(m, n, role, model_dir, a, conn.get("lmcache"))
+    spec = base_spec(m, n, role, model_dir, a, conn.get("lmcache"))
     spec.update(
         gpu_memory_utilization=util,
         weight_std=std,
@@ -133,110 +145,6 @@ def engine_spec(
     return spec
 
 
-_TS = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]"
-_WINDOW = re.compile(
-    _TS + r"[^\n]*?L0<->L1 stats \[[^\]]+\] last ([0-9.]+)s: store [^|\n]*\| retrieve "
-    r"ops=(\d+) tokens=(\d+) size=([0-9.]+)GB avg_copy=(?:([0-9.]+)GB/s|n/a)"
-)
-_PREFETCH = re.compile(
-    _TS + r"[^\n]*?Prefetch request completed[^:\n]*: \d+/\d+ retained keys \((\d+) L1, (\d+) L2\)"
-)
-
-
-def parse_server_log(text: str) -> dict[str, list[dict[str, Any]]]:
-    """windows: --enable-extra-logging's retrieve side (copies LMCache timed on the CUDA stream,
-    ended in (t0, t1]); prefetch: each prefetch line's L1 / L2 objects. Times: epochs."""
-
-    def epoch(day: str, ms: str) -> float:
-        return time.mktime(time.strptime(day, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1e3
-
-    windows = [
-        {
-            "t0": epoch(d, ms) - float(last),
-            "t1": epoch(d, ms),
-            "ops": int(ops),
-            "bytes": float(gb) * GB,
-            "tokens": int(tok),
-            "gbps": float(rate) if rate else None,
-        }
-        for d, ms, last, ops, tok, gb, rate in _WINDOW.findall(text)
-    ]
-    found = _PREFETCH.findall(text)
-    return {
-        "windows": windows,
-        "prefetch": [{"t": epoch(d, ms), "l1": int(a), "l2": int(b)} for d, ms, a, b in found],
-    }
-
-
-def timed_h2d(windows: Sequence[dict[str, Any]], restores: Sequence[tuple[Any, int]]) -> list[Any]:
-    """Stream-timed H2D GB/s per restore ((span, hit tokens) in time order, warm-up included).
-    A copy window goes to the earliest restore whose span it overlaps and whose hit it has not
-    covered; a rate needs windows that cover the hit and hold no other restore's copies."""
-    acc = [{"tokens": 0, "bytes": 0.0, "s": 0.0, "mixed": False} for _ in restores]
-    for w in (w for w in windows if w["ops"]):
-        need = [
-            i
-            for i, (sp, hit) in enumerate(restores)
-            if sp and w["t0"] < sp[1] and w["t1"] >= sp[0] and acc[i]["tokens"] < hit
-        ]
-        if not need:
-            continue
-        a = acc[need[0]]
-        if a["tokens"] + w["tokens"] > restores[need[0]][1]:  # holds the next restore's copies
-            for b in acc[need[0] : need[0] + 2]:
-                b["mixed"] = True
-        a["tokens"] += w["tokens"]
-        a["bytes"] += w["bytes"]
-        a["s"] += w["bytes"] / (w["gbps"] * GB) if w["gbps"] else math.inf
-    good = [
-        h and not a["mixed"] and a["tokens"] >= h and 0 < a["s"] < math.inf
-        for a, (_, h) in zip(acc, restores, strict=True)
-    ]
-    return [a["bytes"] / a["s"] / GB if ok else None for a, ok in zip(acc, good, strict=True)]
-
-
-def l2_read_bytes(l2: int, hit: int, chunk: int, group_means: dict[str, float], fa: int) -> Any:
-    """Bytes of ``l2`` objects a restore read: one object group, all at its size; several (FA
-    apart from recurrent state), FA's (size nearest ``fa``) per hit chunk, the rest the others'."""
-    if not l2 or not group_means:
-        return None
-    if len(group_means) == 1:
-        return l2 * next(iter(group_means.values()))
-    fa_group = min(group_means, key=lambda g: abs(group_means[g] - fa))
-    others = [v for g, v in group_means.items() if g != fa_group]
-    n_fa = min(hit // chunk, l2)
-    return n_fa * group_means[fa_group] + (l2 - n_fa) * sum(others) / len(others)
-
-
-def bound_of(row: dict[str, Any]) -> dict[str, Any] | None:
-    """Read ``row``'s bytes at the disk's (pagecache: page cache's) rate, copy at pinned H2D."""
-    rates, cached, nbytes = row.get("rates") or {}, row["arm"] == "pagecache", row.get("read_bytes")
-    read = rates.get("page_cache_read_gbps" if cached else "disk_read_gbps")
-    h2d, restore = rates.get("pinned_h2d_gbps"), row.get("restore_ttft_s")
-    if not (nbytes and read and h2d and restore):
-        return None
-    bound = nbytes / (read * GB) + nbytes / (h2d * GB)
-    return {
-        "read_bytes": nbytes,
-        "read_from": "page cache" if cached else "disk",
-        "read_gbps": read,
-        "pinned_h2d_gbps": h2d,
-        "bound_s": bound,
-        "restore_s": restore,
-        "restore_over_bound": restore / bound,
-        "bound_over_restore": bound / restore,
-        "met": bound / restore >= BOUND_TARGET,
-    }
-
-
-def row_key(model: str, p: int, arm: str) -> str:
-    return f"{model}:{p}:{arm}"
-
-
-def sort_key(r: dict[str, Any]) -> tuple[str, int, int]:
-    return r["model"], r["prompt_tokens"], ARMS.index(r["arm"])
-
-
 def engine_summary(r: dict[str, Any] | None) -> dict[str, Any] | None:
     keep = ("ok", "error", "engine_up_s", "process_s", "cache_block_size", "rc", "idle")
     return {k: str(r[k])[-1500:] if k == "error" else r[k] for k in keep if k in r} if r else None
@@ -253,7 +161,7 @@ def failed(row: dict[str, Any], why: str, blame: bool = True) -> None:
         finding(row, f"did not run: {why[-600:]}")
 
 
-def fill_restore_row(row: dict[str, Any], m: gate.ModelSpec, store: Any, res: Any, ctx: Any) -> Any:
+def fill_restore_row(row: dict[str, Any], m: ModelSpec, store: Any, res: Any, ctx: Any) -> Any:
     """A restore engine's timed restores and colds (its measured request, cold_reference and
     timed_pairs), KV bytes and tokens against the store engine's, findings. ``ctx``: the server
     log's windows and prefetch lines, the L2 groups' sizes (LMCache); {}: /proc/self/io."""
@@ -266,12 +174,12 @@ def fill_restore_row(row: dict[str, Any], m: gate.ModelSpec, store: Any, res: An
     restores = [s for k, s in reqs if k == "restore"]
     warm = [w] if (w := (res.get("warm_first") or {}).get("restore")) else []
     spans = [tuple(s.get("probe") or ({}, {})) for s in warm + restores]
-    hits = [gate.connector_hit(s)[0] for s in warm + restores]
+    hits = [connector_hit(s)[0] for s in warm + restores]
     rates = [None] * len(restores)  # the OffloadingConnector's timed loads reach no log of ours
     if ctx:
         epochs = [(a["epoch"], b["epoch"]) if a else None for a, b in spans]
         rates = timed_h2d(ctx["windows"], list(zip(epochs, hits, strict=True)))[len(warm) :]
-    fa = gate._layer_types(m).count("full_attention") * n * gate.attn_bytes_per_token(m)
+    fa = layer_types(m).count("full_attention") * n * attn_bytes_per_token(m)
     row["restores"], hits = [], hits[len(warm) :]
     for s, hit, h2d, (a, b) in zip(restores, hits, rates, spans[len(warm) :], strict=True):
         got: dict[str, Any] = {"ttft_s": s.get("ttft_s"), "hit_tokens": hit, "h2d_gbps": h2d}
@@ -284,16 +192,16 @@ def fill_restore_row(row: dict[str, Any], m: gate.ModelSpec, store: Any, res: An
         row["restores"].append(got)
     colds = [s["ttft_s"] for k, s in reqs if k == "cold" and s and not s.get("num_cached_tokens")]
     row.update(
-        restore_ttft_s=gate.median([r["ttft_s"] for r in row["restores"] if r["hit_tokens"]]),
-        read_bytes=gate.median([r.get("read_bytes") for r in row["restores"]]),
-        h2d_gbps=gate.median(rates),
+        restore_ttft_s=median([r["ttft_s"] for r in row["restores"] if r["hit_tokens"]]),
+        read_bytes=median([r.get("read_bytes") for r in row["restores"]]),
+        h2d_gbps=median(rates),
         h2d_timed=sum(r is not None for r in rates),
         cold_in_engine_ttfts_s=colds,
-        cold_in_engine_s=gate.median(colds),
+        cold_in_engine_s=median(colds),
         hit_tokens=hits[0],
-        required_hit=gate.required_hit(p, n),
+        required_hit=required_hit(p, n),
     )
-    kv = gate.compare_kv_hashes(store.get("kv_hashes"), res.get("kv_hashes"), hits[0])
+    kv = compare_kv_hashes(store.get("kv_hashes"), res.get("kv_hashes"), hits[0])
     row["kv"] = {**kv, "mismatches": kv["mismatches"][:4]}
     row["tokens_match"] = store.get("tokens") == res.get("tokens")
     before = len(row["findings"])
@@ -306,203 +214,6 @@ def fill_restore_row(row: dict[str, Any], m: gate.ModelSpec, store: Any, res: An
     if not row["tokens_match"]:
         finding(row, f"greedy tokens {res.get('tokens')} vs stored {store.get('tokens')}")
     row["correct"] = len(row["findings"]) == before
-
-
-def evaluate_targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The README's targets on the 9B-class model; not measured, or not correct, is missed."""
-    checks = [(arm, p, need, "speedup") for (arm, p), need in SPEEDUP_TARGETS.items()]
-    checks += [
-        ("default", p, BOUND_TARGET, "bound")
-        for p in LENGTHS.values()
-        if row_key(TARGET_MODEL, p, "default") in rows
-    ]
-    out = []
-    for arm, p, need, kind in checks:
-        r = rows.get(row_key(TARGET_MODEL, p, arm)) or {}
-        bound = (r.get("disk_bound") or {}).get("bound_over_restore")
-        value = r.get("speedup") if kind == "speedup" else bound
-        detail = f"cold arm / {arm} median TTFT" if kind == "speedup" else "disk bound / TTFT"
-        resident = (r.get("page_cache") or {}).get("resident_fraction")
-        if arm == "pagecache" and resident is not None and resident < 0.95:
-            detail += f"; only {resident:.0%} of the L2 bytes were in the page cache"
-        target = {
-            "target": f"{arm}_{kind}_{p // 1024}k",
-            "value": value,
-            "threshold": need,
-            "met": value is not None and value >= need and bool(r.get("correct")),
-            "detail": f"{TARGET_MODEL}, {p} tokens: {detail}",
-        }
-        out.append(target)
-    for p in LENGTHS.values():
-        if row_key(TARGET_MODEL, p, "default") in rows:
-            out.append(peer_target(rows, p))
-    return out
-
-
-def peer_target(rows: dict[str, dict[str, Any]], p: int) -> dict[str, Any]:
-    """This wheel's default server restores faster than the OffloadingConnector at ``p`` tokens,
-    and correctly; a peer that restored wrong state or nothing cannot beat it."""
-    ours = rows[row_key(TARGET_MODEL, p, "default")]
-    peer = rows.get(row_key(TARGET_MODEL, p, "offloading")) or {}
-    mine, theirs = ours.get("restore_ttft_s"), peer.get("restore_ttft_s")
-    value = theirs / mine if mine and theirs else None
-    beaten = peer.get("correct") is False  # it restored wrong state or nothing (not: did not run)
-    return {
-        "target": f"default_faster_than_offloading_{p // 1024}k",
-        "value": value,
-        "threshold": 1.0,
-        "met": bool(ours.get("correct")) and (beaten or (value is not None and value > 1.0)),
-        "detail": f"{TARGET_MODEL}, {p} tokens: OffloadingConnector / default median TTFT"
-        + ("; the OffloadingConnector's restore was not correct" if beaten else ""),
-    }
-
-
-def summarize(results: dict[str, Any]) -> None:
-    """Rows' cold TTFT, speedup, disk bound; the top-level views, targets and findings."""
-    rows, ordered = results["rows"], sorted(results["rows"].values(), key=sort_key)
-    for r in (r for r in ordered if r["arm"] != "cold"):
-        cold = rows.get(row_key(r["model"], r["prompt_tokens"], "cold")) or {}
-        r["cold_ttft_s"], ttft = cold.get("cold_ttft_s"), r.get("restore_ttft_s")
-        r["speedup"] = r["cold_ttft_s"] / ttft if r["cold_ttft_s"] and ttft else None
-        r["disk_bound"] = bound_of(r)
-    keep = (
-        "model",
-        "prompt_tokens",
-        "ok",
-        "cold_ttft_s",
-        "restore_ttft_s",
-        "speedup",
-        "hit_tokens",
-        "read_bytes",
-        "h2d_gbps",
-        "correct",
-        "errors",
-    )
-    results["default"] = [{k: r.get(k) for k in keep} for r in ordered if r["arm"] == "default"]
-    results["offloadingconnector"] = {
-        "kv_transfer_config": offloading_transfer_config(Path("ROOT_DIR"), 0, "ENGINE_ID"),
-        "rows": [{k: r.get(k) for k in keep} for r in ordered if r["arm"] == "offloading"],
-    }
-    results["disk_bound"] = {
-        "definition": "L2 bytes read / sequential read rate + the same bytes / pinned H2D rate",
-        "rows": [
-            {"arm": r["arm"], **{k: r[k] for k in keep[:2]}, **r["disk_bound"]}
-            for r in ordered
-            if r.get("disk_bound")
-        ],
-    }
-    results["targets"] = evaluate_targets(rows)
-    results["findings"] = [f for r in ordered for f in r.get("findings") or []]
-
-
-_f = gate.fmt
-HEADER = (
-    "model | prompt | arm | hit | cold | restore (n) | speedup | cold in engine | L2 GB read"
-    " | H2D GB/s (timed) | bound s | bound/restore | page cache | KV bytes | tokens | errors"
-)
-
-
-def markdown_report(results: dict[str, Any]) -> str:
-    runs = results.get("runs") or [{}]
-    run = runs[-1]
-    lines = [
-        f"# GPU restore bench ({results.get('created')})",
-        "",
-        f"- runs: {', '.join(str(r.get('started')) for r in runs)} (the last one's machine below)",
-        f"- hardware: {run.get('hardware')}",
-        f"- versions: {run.get('versions')}",
-        f"- L2 filesystem: {run.get('l2_fs')}; /dev/shm free GB: {run.get('dev_shm_gb')}",
-        f"- probed rates (GB/s): {run.get('rates')}",
-        "",
-        "TTFT s, medians; cold in engine: the restore engine's colds, in turn.",
-    ]
-    rows = []
-    for r in sorted(results["rows"].values(), key=sort_key):
-        b, pc, gb = r.get("disk_bound") or {}, r.get("page_cache") or {}, r.get("read_bytes")
-        cache = {True: "dropped", False: "kept"}.get(pc.get("dropped"), "-")
-        cache += f" ({_f(pc.get('resident_fraction'), 2)} resident)" if pc else ""
-        row = [
-            r["model"],
-            r["prompt_tokens"],
-            r["arm"],
-            r.get("hit_tokens"),
-            r.get("cold_ttft_s"),
-            f"{_f(r.get('restore_ttft_s'))} ({len(r.get('restores') or [])})",
-            r.get("speedup"),
-            r.get("cold_in_engine_s"),
-            gb / GB if gb else None,
-            f"{_f(r.get('h2d_gbps'))} ({r.get('h2d_timed', 0)})",
-            b.get("bound_s"),
-            b.get("bound_over_restore"),
-            cache,
-            (r.get("kv") or {}).get("match"),
-            r.get("tokens_match"),
-            "; ".join(r.get("errors") or [])[:200],
-        ]
-        rows.append(row)
-    lines += ["", *gate.md_table(HEADER.split(" | "), rows), "", "## Targets", ""] + [
-        f"- {t['target']}: {_f(t['value'])} vs >= {t['threshold']}: "
-        f"{'met' if t['met'] else 'MISSED'} ({t['detail']})"
-        for t in results.get("targets") or []
-    ]
-    found = [
-        f"- {f['model']} {f['prompt_tokens']} {f['arm']}: {f['what'][:600]}"
-        for f in results.get("findings") or []
-    ]
-    return "\n".join(lines + ["", "## Findings", "", *(found or ["- none"])]) + "\n"
-
-
-def new_results() -> dict[str, Any]:
-    return {"schema": SCHEMA, "created": _dt.date.today().isoformat(), "runs": [], "rows": {}}
-
-
-def write_results(results: dict[str, Any], path: Path) -> None:
-    """<stem>.json, <stem>.md and, where matplotlib imports, <stem>-ttft.png and -gbps.png."""
-    summarize(results)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    gate.write_json_md(path.with_suffix(""), results, markdown_report(results))
-    write_plots(results, path)
-
-
-def write_plots(results: dict[str, Any], path: Path) -> None:
-    """<stem>-ttft.png: TTFT per model and arm against prompt length; <stem>-gbps.png: each
-    bounded row's bytes read per second of TTFT against its bound. Where matplotlib imports."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for model, arm in sorted({(r["model"], r["arm"]) for r in results["rows"].values()}):
-        key, label = "cold_ttft_s" if arm == "cold" else "restore_ttft_s", f"{model} {arm}"
-        pts = sorted(
-            (r["prompt_tokens"] / 1024, r[key])
-            for r in results["rows"].values()
-            if (r["model"], r["arm"]) == (model, arm) and r.get(key)
-        )
-        if pts:
-            ax.plot(*zip(*pts, strict=True), "o-" if model == TARGET_MODEL else "s:", label=label)
-    ax.set(xscale="log", yscale="log", xlabel="prompt (k tokens)", ylabel="TTFT (s)")
-    ax.legend(fontsize=7)
-    fig.savefig(path.with_name(f"{path.stem}-ttft.png"), dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    bounded = [r for r in sorted(results["rows"].values(), key=sort_key) if r.get("disk_bound")]
-    if not bounded:
-        return
-    fig, ax = plt.subplots(figsize=(max(6, len(bounded)), 4.5))
-    labels = [f"{r['arm']}\n{r['prompt_tokens'] // 1024}k" for r in bounded]
-    got = [r["disk_bound"]["read_bytes"] / r["disk_bound"]["restore_s"] / GB for r in bounded]
-    bound = [r["disk_bound"]["read_bytes"] / r["disk_bound"]["bound_s"] / GB for r in bounded]
-    x = range(len(bounded))
-    ax.bar([i - 0.2 for i in x], bound, 0.4, label="bound: bytes / (read + pinned H2D)")
-    ax.bar([i + 0.2 for i in x], got, 0.4, label="restore: bytes read / TTFT")
-    ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set(ylabel="GB/s", title=f"{TARGET_MODEL}: L2 bytes per second of restore TTFT")
-    ax.legend(fontsize=7)
-    fig.savefig(path.with_name(f"{path.stem}-gbps.png"), dpi=120, bbox_inches="tight")
-    plt.close(fig)
 
 
 _PINNED_PROBE = r"""
@@ -524,7 +235,7 @@ def pinned_probe(py: str) -> dict[str, Any]:
     for line in cp.stdout.splitlines():
         if line.startswith("BENCH-PINNED "):
             d = json.loads(line.split(" ", 1)[1])
-            return {**d, "h2d_gbps": d["bytes"] / gate.median(d["h2d_s"]) / GB}
+            return {**d, "h2d_gbps": d["bytes"] / median(d["h2d_s"]) / GB}
     return {"error": (cp.stderr or cp.stdout)[-1500:]}
 
 
@@ -576,7 +287,7 @@ class Bench:
     def save(self) -> None:
         write_results(self.results, self.a.results)
 
-    def row(self, m: gate.ModelSpec, p: int, arm: str) -> dict[str, Any]:
+    def row(self, m: ModelSpec, p: int, arm: str) -> dict[str, Any]:
         r = {
             "model": m.name,
             "prompt_tokens": p,
@@ -584,20 +295,20 @@ class Bench:
             "rates": self.rates,
             "errors": [],
             "findings": [],
-            "geometry": vars(gate.expected_geometry(m)),
+            "geometry": vars(expected_geometry(m)),
         }
         self.results["rows"][row_key(m.name, p, arm)] = r
         return r
 
-    def setup(self, name: str, m: gate.ModelSpec, lmc: Path | None, layout: str) -> Any:
+    def setup(self, name: str, m: ModelSpec, lmc: Path | None, layout: str) -> Any:
         """A fresh work folder, the model folder (positions raised for 128k), the engines' env."""
         shutil.rmtree(wd := self.a.work / name, ignore_errors=True)
         wd.mkdir(parents=True)
-        md = gate.write_model_dir(m, self.a.work / "models")
+        md = write_model_dir(m, self.a.work / "models")
         cfg = json.loads((md / "config.json").read_text())
         cfg.get("text_config", cfg)["max_position_embeddings"] = MAX_POSITIONS
-        gate.atomic_write(md / "config.json", json.dumps(cfg) + "\n")
-        env = gate.child_env(lmc, layout)
+        atomic_write(md / "config.json", json.dumps(cfg) + "\n")
+        env = child_env(lmc, layout)
         env["PYTHONHASHSEED"] = "0"  # vLLM's block hashes name the OffloadingConnector's files
         return wd, md, env
 
@@ -606,16 +317,16 @@ class Bench:
         if left < MIN_ENGINE_S:
             raise Skipped(f"not run: {max(left, 0):.0f} s of --time-limit-s left for {role}")
         print(f"[bench] {wd.name}: {role} engine", flush=True)
-        return gate.run_engine(self.py, env, spec, wd, role, min(self.a.engine_timeout, left))
+        return run_engine(self.py, env, spec, wd, role, min(self.a.engine_timeout, left))
 
-    def colds_fit(self, m: gate.ModelSpec, p: int, engines: int) -> bool:
+    def colds_fit(self, m: ModelSpec, p: int, engines: int) -> bool:
         """Whether restore engines also time (so store) colds: where L2 has room for them."""
         stored = 3 * prompt_bytes(m, p) + prompt_bytes(m, min(p, WARM_BLOCKS * block(m)))
         if (free := shutil.disk_usage(self.a.work).free) < DISK_MARGIN * stored:
             raise Skipped(f"L2 needs {DISK_MARGIN * stored / GB:.0f} GB, {free / GB:.0f} free")
         return free >= DISK_MARGIN * (stored + engines * (RESTORES + 1) * prompt_bytes(m, p))
 
-    def cold_phase(self, m: gate.ModelSpec, lengths: Sequence[int]) -> None:
+    def cold_phase(self, m: ModelSpec, lengths: Sequence[int]) -> None:
         """One engine, no connector, all lengths: per length a warm-up c0, RESTORES timed."""
         rows = {p: self.row(m, p, "cold") for p in lengths}
         try:
@@ -630,7 +341,7 @@ class Bench:
             for p, pair in zip(lengths, res.get("timed_pairs") or [], strict=False):
                 colds = [pair[f"c{i}"] for i in range(1, RESTORES + 1)]
                 ttfts = [c["ttft_s"] for c in colds if not c.get("num_cached_tokens")]
-                rows[p].update(cold_ttfts_s=ttfts, cold_ttft_s=gate.median(ttfts))
+                rows[p].update(cold_ttfts_s=ttfts, cold_ttft_s=median(ttfts))
         except StepError as e:
             for r in rows.values():
                 r["errors"].append(str(e))
@@ -638,7 +349,7 @@ class Bench:
             r["ok"] = not r["errors"] and len(r.get("cold_ttfts_s") or []) == RESTORES
         self.save()
 
-    def restore_phase(self, m: gate.ModelSpec, p: int, arms: Sequence[str], lmc: Any = None) -> Any:
+    def restore_phase(self, m: ModelSpec, p: int, arms: Sequence[str], lmc: Any = None) -> Any:
         """Store once, then per arm restart and restore: LMCache server and engine (pagecache
         first, the files still cached); the OffloadingConnector (arms == ["offloading"]) engine."""
         rows, procs, offload = {a: self.row(m, p, a) for a in arms}, [], arms == ["offloading"]
@@ -651,9 +362,9 @@ class Bench:
         def connector(eid: str, log: Path) -> dict[str, Any]:
             if offload:
                 return {"kv_transfer_config": offloading_transfer_config(tier, cpu, eid)}
-            port, l1 = gate.free_port(), max(4, math.ceil(2.5 * pb / GB) + 2)
+            port, l1 = free_port(), max(4, math.ceil(2.5 * pb / GB) + 2)
             args = (self.py, env, port, block(m), tier, log)
-            procs.append(gate.start_server(*args, l1_size_gb=l1, extra_args=SERVER_STATS_ARGS))
+            procs.append(start_server(*args, l1_size_gb=l1, extra_args=SERVER_STATS_ARGS))
             return {"lmcache": port}
 
         try:
@@ -668,15 +379,15 @@ class Bench:
             spec.update({"step_until_idle_s": 600} if offload else lmc_store)
             store = self.engine(env, spec, wd, "store")
             if not offload:
-                gate.wait_l2_stable(tier, 3 * (p // block(m)), timeout=60 + 8 * pb / GB)
-                gate.kill_group(procs.pop())
+                wait_l2_stable(tier, 3 * (p // block(m)), timeout=60 + 8 * pb / GB)
+                kill_group(procs.pop())
             if not store.get("ok") or (offload and not store.get("idle")):
                 tail = str(store.get("error"))[-1500:]
                 raise StepError(f"store engine (idle: {store.get('idle')}): {tail}")
             files = sorted(tier.rglob("*.bin" if offload else "*.data"))
             inv = {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
             if not offload:
-                inv = gate.l2_backends.folder_inventory(tier)
+                inv = l2_tiers.folder_inventory(tier)
             for arm, eid in zip(arms, ids[1:], strict=True):
                 if arm != "pagecache":
                     fs_l2_read.drop_cache(files)
@@ -689,18 +400,18 @@ class Bench:
                 spec = engine_spec(m, p, "restore", md, conn, f"cold-{arm}" if with_colds else "")
                 res, ctx = self.engine(env, spec, wd, f"restore-{arm}"), {}
                 if not offload:
-                    gate.kill_group(procs.pop())
+                    kill_group(procs.pop())
                     ctx = parse_server_log(log.read_text(errors="replace"))
-                    ctx["groups"] = gate.object_group_means(inv)
+                    ctx["groups"] = object_group_means(inv)
                 fill_restore_row(rows[arm], m, store, res, ctx)
                 rows[arm]["ok"] = not rows[arm]["errors"]
                 self.save()
-        except (StepError, gate.ServerError, OSError) as e:
+        except (StepError, ServerError, OSError) as e:
             for row in (r for r in rows.values() if "ok" not in r):
                 failed(row, str(e), not isinstance(e, (Skipped, OSError)))
         finally:
             for proc in procs:
-                gate.kill_group(proc)
+                kill_group(proc)
             for leftover in (f for i in ids for f in Path("/dev/shm").glob(f"vllm_offload_{i}*")):
                 leftover.unlink(missing_ok=True)
             shutil.rmtree(tier, ignore_errors=True)
@@ -719,9 +430,9 @@ def run(a: argparse.Namespace) -> int | str:
     if unknown := {model for model, _ in cases} - set(MODELS):
         return f"bench: unknown model {unknown}; one of {', '.join(MODELS)}"
     bench = Bench(a, results)  # --time-limit-s counts from here
-    gate.install_cleanup_handler()
+    install_cleanup_handler()
     a.work.mkdir(parents=True, exist_ok=True)
-    envinfo = gate.collect_environment(sys.executable, a.lmcache_dir)
+    envinfo = collect_environment(sys.executable, a.lmcache_dir)
     info = {
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv[1:],
@@ -731,7 +442,7 @@ def run(a: argparse.Namespace) -> int | str:
         "dev_shm_gb": os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free / GB,
     }
     results["runs"].append(info)
-    problem = gate.arm_problem("patched", envinfo["versions"], a.lmcache_dir)
+    problem = arm_problem("patched", envinfo["versions"], a.lmcache_dir)
     if problem and {"default", "pagecache"} & set(arms):
         info["error"] = problem
         bench.save()

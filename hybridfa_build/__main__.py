@@ -19,8 +19,8 @@ def _wheels(args: argparse.Namespace) -> list[Path]:
         here = None
     built = []
     for tag in tags:
-        materialize = None
-        if not args.no_materialize and tag == here:
+        materialize = None  # install never: a tree in the checkout would shadow what it installs
+        if args.command == "wheel" and not args.no_materialize and tag == here:
             materialize = factory.ROOT / "lmcache"
         wheel = factory.build_wheel(tag, Path(args.out), args.base_wheel, materialize, args.patches)
         print(f"built {wheel}")
@@ -65,11 +65,15 @@ def main(argv: list[str] | None = None) -> int:
             default=factory.PATCHES_DIR,
             help="patch folder holding a series file (default: patches/)",
         )
-        p.add_argument(
-            "--no-materialize",
-            action="store_true",
-            help="do not refresh the top-level lmcache/ tree",
-        )
+        if name == "wheel":
+            p.add_argument(
+                "--no-materialize",
+                action="store_true",
+                help="do not refresh the top-level lmcache/ tree (written for reading the "
+                "patched source; `install` never writes it)",
+            )
+        else:  # accepted, as before; install writes no tree anyway
+            p.add_argument("--no-materialize", action="store_true", help=argparse.SUPPRESS)
         if name == "install":
             p.add_argument(
                 "pip_args",

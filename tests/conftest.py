@@ -13,12 +13,25 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 ARM = os.environ.get("HYBRIDFA_ARM", "patched")
+
+
+def _checkout_last() -> None:
+    """The checkout's own packages (hybridfa_build, hybridfa_gate, bench) import from its
+    root, which goes last on sys.path: `python -m pytest` puts it first, where a materialized
+    lmcache/ (`python -m hybridfa_build wheel` writes one) would shadow the installed wheel or
+    the PYTHONPATH build under test."""
+    rest = [p for p in sys.path if Path(p or ".").resolve() != REPO]
+    sys.path[:] = [*rest, str(REPO)]
+
+
+_checkout_last()
 
 
 def _lmcache_state() -> tuple[Path, bool] | None:
@@ -45,8 +58,8 @@ def pytest_configure(config: pytest.Config) -> None:
     where, patched = state
     if where == REPO / "lmcache":
         raise pytest.UsageError(
-            f"lmcache is imported from the materialized tree {where}, not from an "
-            "installed wheel; run pytest from an environment where the wheel is installed"
+            f"lmcache is imported from the materialized tree {where}, not from an installed "
+            "wheel: install it (python -m hybridfa_build install) or put a build on PYTHONPATH"
         )
     if patched != (ARM == "patched"):
         raise pytest.UsageError(

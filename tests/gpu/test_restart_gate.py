@@ -1,12 +1,9 @@
-"""GPU restart gate, quick cases, for the arm in HYBRIDFA_ARM (tests/conftest.py).
+"""GPU restart gate for the arm in HYBRIDFA_ARM (tests/conftest.py), on the lmcache this pytest
+imports (its folder goes first on the engines' PYTHONPATH). The criteria (a)-(e) and what each
+arm must show: hybridfa_gate/judge.py.
 
-patched:  every case passes (a)-(e).
-pristine: every case completes and fails (a): the restored FA bytes differ (issue 6).
-
-Environment: HYBRIDFA_GATE_OUT (default results/), HYBRIDFA_GATE_CASES (default quick),
-HYBRIDFA_GATE_TP (default 1).
-The lmcache under test is the one this pytest imports (its folder goes first on the
-engines' PYTHONPATH).
+Environment: HYBRIDFA_GATE_CASES (default quick; a set name, case ids or regexes),
+HYBRIDFA_GATE_OUT (default results/), HYBRIDFA_GATE_TP (default 1).
 """
 
 from __future__ import annotations
@@ -15,8 +12,13 @@ import importlib.util
 import os
 from pathlib import Path
 
-import gate
 import pytest
+
+from hybridfa_gate.cases import select_cases
+from hybridfa_gate.judge import gate_problems
+from hybridfa_gate.report import markdown_report
+from hybridfa_gate.run import run_matrix
+from hybridfa_gate.specs import RunConfig
 
 ARM = os.environ.get("HYBRIDFA_ARM", "patched")
 
@@ -30,47 +32,17 @@ def _lmcache_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    rc = gate.RunConfig(
+    rc = RunConfig(
         arm=ARM,
         lmcache_dir=_lmcache_dir(),
         out=Path(os.environ.get("HYBRIDFA_GATE_OUT", "results")),
     )
     tp = int(os.environ.get("HYBRIDFA_GATE_TP", "1"))
-    cases = gate.select_cases(os.environ.get("HYBRIDFA_GATE_CASES", "quick"), tp)
-    return {**gate.run_matrix(cases, rc), "selected": [c.case_id for c in cases]}
-
-
-def _summary(report: dict) -> str:
-    return "\n" + gate.markdown_report(report)
-
-
-def gate_problems(report: dict, arm: str) -> list[str]:
-    """Why a gate report does not pass for ``arm``: patched, every selected case ran and passed
-    (a)-(e), or (b) (c) (e) where the server refuses its layout; otherwise every case ran and
-    failed (a) by comparison."""
-    if report.get("error"):
-        return [str(report["error"])]
-    cases = report.get("cases") or []
-    if not cases:
-        return ["no case ran"]
-    problems = [
-        f"{c}: did not run" for c in sorted(set(report["selected"]) - {r["case"] for r in cases})
-    ]
-    for rec in cases:
-        ev = rec["eval"]
-        if not ev.get("completed"):
-            problems.append(f"{rec['case']}: {ev.get('errors')}")
-        elif arm == "patched":
-            if not ev.get("pass"):  # evaluate_case's pass: (a)-(e), or (b) (c) (e) if refused
-                problems.append(f"{rec['case']}: {gate.verdict(ev)} errors={ev.get('errors')}")
-        else:
-            shown, why = gate.pristine_shows_the_bug(ev)
-            if not shown:
-                problems.append(f"{rec['case']}: {why}")
-    return problems
+    cases = select_cases(os.environ.get("HYBRIDFA_GATE_CASES", "quick"), tp)
+    return {**run_matrix(cases, rc), "selected": [c.case_id for c in cases]}
 
 
 @pytest.mark.gpu
 def test_restart_gate(report: dict) -> None:
     problems = gate_problems(report, ARM)
-    assert not problems, "\n".join(problems) + _summary(report)
+    assert not problems, "\n".join(problems) + "\n" + markdown_report(report)

@@ -31,7 +31,7 @@ def tier_secret_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
 @pytest.fixture
 def adapter(tmp_path: Path) -> Iterator[Any]:
     """LMCache's real fs L2 adapter (FSL2Adapter) on ``tmp_path / "l2"``."""
-    from l2_fakes import open_adapter
+    from fs_l2_driver import open_adapter
 
     adp = open_adapter(tmp_path / "l2")
     try:

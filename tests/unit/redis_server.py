@@ -1,7 +1,7 @@
 """A real redis-server for the CPU tests of the ``resp`` L2 tier.
 
-The process, the RESP client and the inventory are tests/gpu/l2_backends.py's (the
-restart gate uses the same code on a GPU node). ``redis`` is a fixture: a redis-server on
+The process, the RESP client and the inventory are hybridfa_gate.l2's (the restart gate
+uses the same code on a GPU node). ``redis`` is a fixture: a redis-server on
 a free port in the test's temp folder, without persistence; a test marked
 ``redis_maxmemory("2mb")`` gets one that evicts (``allkeys-lru``). Without a
 redis-server binary ($REDIS_SERVER or PATH) the tests that use it skip, saying so.
@@ -13,12 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from script_modules import GPU_DIR, load_script
 
-l2_backends = load_script("hybridfa_l2_backends", GPU_DIR / "l2_backends.py")
-RedisServer = l2_backends.RedisServer
-RespClient = l2_backends.RespClient
-RespError = l2_backends.RespError
+from hybridfa_gate import l2 as l2_tiers
+from hybridfa_gate.l2 import RedisServer, RespClient, RespError
+
+__all__ = ["RedisServer", "RespClient", "RespError", "l2_tiers", "redis"]
 
 NO_REDIS = (
     "redis-server not found ($REDIS_SERVER or PATH): the resp L2 tier is not tested; "
@@ -28,7 +27,7 @@ NO_REDIS = (
 
 @pytest.fixture
 def redis(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisServer]:
-    binary = l2_backends.redis_server_binary()
+    binary = l2_tiers.redis_server_binary()
     if binary is None:
         pytest.skip(NO_REDIS)
     marker = request.node.get_closest_marker("redis_maxmemory")

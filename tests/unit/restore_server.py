@@ -31,8 +31,9 @@ from hybrid_kv import (
     _Wrapper,
     build_hybrid_kv,
 )
-from redis_server import l2_backends
 from vllm_engine import Engine, register_through_connector
+
+from hybridfa_gate import l2 as l2_tiers
 
 MODEL = "hybrid"
 TIMEOUT_S = 10.0
@@ -207,9 +208,9 @@ def _l2_adapter_config(l2_dir: Path, l2_adapter: str, resp_port: int | None) -> 
     if l2_adapter == "resp":
         if resp_port is None:
             raise ValueError("the resp adapter needs ServerFactory.resp_port (a redis-server)")
-        spec = {**l2_backends.adapter_json("resp", port=resp_port), "num_workers": 2}
+        spec = {**l2_tiers.adapter_json("resp", port=resp_port), "num_workers": 2}
     else:
-        spec = l2_backends.adapter_json(l2_adapter, folder=l2_dir)
+        spec = l2_tiers.adapter_json(l2_adapter, folder=l2_dir)
     return get_l2_adapter_config_class(spec["type"]).from_dict(spec)
 
 

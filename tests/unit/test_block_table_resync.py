@@ -1,4 +1,4 @@
-"""The connector's tracked block ids must follow vLLM's live block table (our issue 4).
+"""The connector's tracked block ids must follow vLLM's live block table.
 
 vLLM 0.26's MambaManager in mamba_cache_mode "align" rewrites a request's block table in
 place without reporting a delta (vllm/v1/core/single_type_kv_cache_manager.py): with

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_layout_purge")
 
-from l2_fakes import open_adapter, store  # noqa: E402
+from fs_l2_driver import open_adapter, store  # noqa: E402
 
 pytestmark = pytest.mark.feature
 

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
 
-from l2_fakes import load, open_adapter, store  # noqa: E402
+from fs_l2_driver import load, open_adapter, store  # noqa: E402
 
 PAYLOAD = random.Random(1).randbytes(64 << 10)
 FORGED = random.Random(2).randbytes(64 << 10)

@@ -1,5 +1,4 @@
-"""The LMCache server SIGKILLed mid-store: after a restart only complete objects restore
-(our issue 8, item 3).
+"""The LMCache server SIGKILLed mid-store: after a restart only complete objects restore.
 
 A child process stands in for the server: it stores NUM_KEYS objects of SIZE bytes
 (deterministic contents per key), one store task after another, through LMCache's real
@@ -33,8 +32,8 @@ import pytest
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
 
-import l2_fakes  # noqa: E402
-from l2_fakes import arm_env, load, lookup, open_adapter, store  # noqa: E402
+import fs_l2_driver  # noqa: E402
+from fs_l2_driver import arm_env, load, lookup, open_adapter, store  # noqa: E402
 
 SIZE = 4 << 20  # bytes per object
 NUM_KEYS = 5
@@ -76,7 +75,7 @@ def _child(base: Path, report_fd: int) -> None:
         await asyncio.Event().wait()  # until the SIGKILL
 
     AsyncBufferedIOBase.write = write
-    l2_fakes.TIMEOUT_S = 10 * CHILD_TIMEOUT_S  # the blocked store must not time out first
+    fs_l2_driver.TIMEOUT_S = 10 * CHILD_TIMEOUT_S  # the blocked store must not time out first
     adapter = open_adapter(base)
     for i in range(NUM_KEYS):
         store(adapter, [key(i)], [payload(i)])

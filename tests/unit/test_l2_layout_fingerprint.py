@@ -1,4 +1,4 @@
-"""The disk tier after an upgrade from pristine LMCache 0.5.3 (our issue 8).
+"""The disk tier after an upgrade from pristine LMCache 0.5.3.
 
 An fs L2 folder written by pristine 0.5.3 holds, for a hybrid model, objects with one
 kernel page per full-attention block: the wrong page. The patched server must never
@@ -26,8 +26,8 @@ import pytest
 pytest.importorskip("vllm.v1.kv_cache_interface")
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
 
+from fs_l2_driver import arm_env, load, lookup, open_adapter, store  # noqa: E402
 from hybrid_kv import build_fa_only_kv, build_hybrid_kv, layout_nbytes, start_server  # noqa: E402
-from l2_fakes import arm_env, load, lookup, open_adapter, store  # noqa: E402
 
 MODEL = "hybrid"  # the model name hybrid_kv.start_server registers
 HASHES = [bytes([i]) * 16 for i in range(1, 4)]

@@ -22,8 +22,8 @@ import pytest
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.resp_l2_adapter")
 
-from l2_fakes import Buf  # noqa: E402
-from redis_server import RedisServer, l2_backends  # noqa: E402
+from fs_l2_driver import Buf  # noqa: E402
+from redis_server import RedisServer, l2_tiers  # noqa: E402
 
 SIZE = 16 << 10
 
@@ -225,7 +225,7 @@ class TLSRedis(RedisServer):
 
     def __init__(self, workdir: Path, cert: Path, key: Path) -> None:
         super().__init__(workdir=workdir)
-        self.tls_port = l2_backends.free_port()
+        self.tls_port = l2_tiers.free_port()
         self.cert, self.key = cert, key
 
     def argv(self) -> list[str]:
@@ -240,7 +240,7 @@ class TLSRedis(RedisServer):
 
 @pytest.fixture
 def tls_redis(tmp_path: Path) -> Iterator[TLSRedis]:
-    if l2_backends.redis_server_binary() is None or shutil.which("openssl") is None:
+    if l2_tiers.redis_server_binary() is None or shutil.which("openssl") is None:
         pytest.skip("needs redis-server and openssl")
     cert, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.resp_l2_adapter")
 
-from l2_fakes import Buf  # noqa: E402
+from fs_l2_driver import Buf  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 
 SIZE = 64 << 10

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
 
-from l2_fakes import open_adapter  # noqa: E402
+from fs_l2_driver import open_adapter  # noqa: E402
 
 pytestmark = pytest.mark.feature
 

@@ -7,7 +7,7 @@ exits; then the server is SIGKILLed. A restored block whose per-layer KV hash di
 every hash computed for the same prefix is a mismatch; an L2 file present after one phase and
 missing or resized after the next is lost.
 
-    python3 tests/gpu/load.py --arm patched --lmcache-dir /tmp/lmc-patched --out results/ \\
+    python -m hybridfa_gate.load --arm patched --lmcache-dir /tmp/lmc-patched --out results/ \\
         --phases 5 --phase-s 60 --kv-cache-gib 8
 """
 
@@ -29,10 +29,24 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-import gate  # noqa: E402  (stdlib only: the gate's model configs and process helpers)
+from hybridfa_gate.cases import Case
+from hybridfa_gate.cli import add_case_args, case_args
+from hybridfa_gate.l2 import folder_inventory
+from hybridfa_gate.models import write_model_dir
+from hybridfa_gate.procs import (
+    ServerError,
+    child_env,
+    free_port,
+    install_cleanup_handler,
+    kill_group,
+    run_engine,
+    server_log_facts,
+    start_server,
+)
+from hybridfa_gate.prompts import TOKEN_HI, TOKEN_LO
+from hybridfa_gate.report import fmt, write_json_md
+from hybridfa_gate.run import start_report
+from hybridfa_gate.specs import RunConfig, engine_spec
 
 SCHEMA = "hybridfa-gpu-load/2"
 DRAIN_S = 25.0  # after its load an engine admits nothing and finishes what runs, this long
@@ -71,9 +85,9 @@ def _tokens(seed: str, span: tuple[float, float], chunk: int, heads: set[int]) -
     rng = random.Random(f"hybridfa-load-{seed}")
     lo = max(1, round(span[0] * chunk))
     n = rng.randint(lo, max(lo, round(span[1] * chunk)))
-    toks = [rng.randrange(gate.TOKEN_LO, gate.TOKEN_HI) for _ in range(n)]
+    toks = [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
     while toks[0] in heads:
-        toks[0] = rng.randrange(gate.TOKEN_LO, gate.TOKEN_HI)
+        toks[0] = rng.randrange(TOKEN_LO, TOKEN_HI)
     heads.add(toks[0])
     return toks
 
@@ -235,8 +249,8 @@ def analyze(phases: Recs, records: Recs, keys: Sequence[Sequence[str]], snapshot
 
 def _cell(v: Any) -> str:
     if isinstance(v, dict) and "n" in v:
-        return " / ".join(gate.fmt(v[f"p{q}"]) for q in (50, 90, 99)) + f" (n={v['n']})"
-    return gate.fmt(v)
+        return " / ".join(fmt(v[f"p{q}"]) for q in (50, 90, 99)) + f" (n={v['n']})"
+    return fmt(v)
 
 
 def markdown_report(report: dict[str, Any]) -> str:
@@ -250,7 +264,7 @@ def markdown_report(report: dict[str, Any]) -> str:
     lines = [f"# GPU load with restarts, arm {report['arm']} ({report['date']})", ""]
     lines += [f"- {k}: {report.get(k)}" for k in ("hardware", "versions", "config")]
     lines += [
-        f"- elapsed {gate.fmt(report.get('elapsed_s'))} s; {verdict}",
+        f"- elapsed {fmt(report.get('elapsed_s'))} s; {verdict}",
         f"- reference: {ver.get('reference_blocks')} prefix blocks, {ver.get('reference_variants')}"
         " (block, layer) pairs computed with more than one result (a restore may match any)",
         "",
@@ -268,7 +282,7 @@ def markdown_report(report: dict[str, Any]) -> str:
         cells = [m["phase"], m.get("engine_up_s"), load_seconds(m)]
         cells += [(m.get("load") or {}).get("completed")]
         cells += [" / ".join(str(v.get(f"{k}_blocks", 0)) for k in kinds), m.get("l2_objects")]
-        lines.append("| " + " | ".join(map(gate.fmt, cells)) + " |")
+        lines.append("| " + " | ".join(map(fmt, cells)) + " |")
     if ver.get("mismatch_examples"):
         lines += ["", "## Mismatches (first ones)", ""]
         lines += [f"- {json.dumps(m)}" for m in ver["mismatch_examples"]]
@@ -373,8 +387,8 @@ class LoadConfig:
     python: str = sys.executable
 
     @property
-    def case(self) -> gate.Case:
-        return gate.Case(self.model, self.layout, self.chunk_blocks, exact=False)
+    def case(self) -> Case:
+        return Case(self.model, self.layout, self.chunk_blocks, exact=False)
 
     @property
     def pool(self) -> list[PoolEntry]:
@@ -385,9 +399,9 @@ def phase_spec(cfg: LoadConfig, model_dir: Path, port: int, phase: int, wd: Path
     case, w = cfg.case, cfg.workload
     n, pool = case.geometry.block_size, cfg.pool
     kv = int(cfg.kv_cache_gib * 2**30) if cfg.kv_cache_gib else None
-    rc = gate.RunConfig(cfg.arm, cfg.lmcache_dir, cfg.out, cfg.python, kv_cache_memory_bytes=kv)
+    rc = RunConfig(cfg.arm, cfg.lmcache_dir, cfg.out, cfg.python, kv_cache_memory_bytes=kv)
     rc.gpu_memory_utilization = cfg.gpu_memory_utilization
-    spec = gate.engine_spec(case, "load", model_dir, rc, port, None)
+    spec = engine_spec(case, "load", model_dir, rc, port, None)
     return spec | {
         "phase": phase,
         "pool": [list(e.tokens) for e in pool],
@@ -413,25 +427,25 @@ def run_phase(cfg: LoadConfig, env: dict[str, str], model_dir: Path, phase: int)
     meta: dict[str, Any] = {"phase": phase}
     log, srv = wd / f"server{phase}.log", None
     try:
-        port = gate.free_port()
-        srv = gate.start_server(
+        port = free_port()
+        srv = start_server(
             cfg.python, env, port, cfg.case.chunk, wd / "l2", log, l1_size_gb=cfg.l1_size_gb
         )
         spec = phase_spec(cfg, model_dir, port, phase, wd)
         # the engine's start (a fresh node's first pays the JIT), load, drain and stores
         timeout = 420.0 + cfg.phase_s + DRAIN_S + 60.0
-        eng = gate.run_engine(cfg.python, env, spec, wd, f"load{phase}", timeout)
+        eng = run_engine(cfg.python, env, spec, wd, f"load{phase}", timeout)
         meta.update({k: eng.get(k) for k in ("ok", "engine_up_s", "load", "l2_wait", "rc")})
         if not eng.get("ok"):
             meta["error"] = str(eng.get("error"))[-3000:]
-    except gate.ServerError as e:
+    except ServerError as e:
         meta["error"] = str(e)[-3000:]
     finally:
         if srv is not None:
-            gate.kill_group(srv)
+            kill_group(srv)
     text = log.read_text(errors="replace") if log.exists() else ""
-    meta["server"] = gate.server_log_facts(text)
-    inv = gate.l2_backends.folder_inventory(wd / "l2", with_files=True)
+    meta["server"] = server_log_facts(text)
+    inv = folder_inventory(wd / "l2", with_files=True)
     return meta | {"l2_objects": inv["objects"], "l2_bytes": inv["bytes"], "files": inv["files"]}
 
 
@@ -440,8 +454,8 @@ def run_load(cfg: LoadConfig, report: dict[str, Any], flush: Fn | None = None) -
     t0, case, wd = time.time(), cfg.case, cfg.work / cfg.arm
     shutil.rmtree(wd, ignore_errors=True)
     (wd / "l2").mkdir(parents=True)
-    model_dir = gate.write_model_dir(case.spec, cfg.work / "models")
-    env = gate.child_env(cfg.lmcache_dir, cfg.layout)
+    model_dir = write_model_dir(case.spec, cfg.work / "models")
+    env = child_env(cfg.lmcache_dir, cfg.layout)
     phases, snapshots = report.setdefault("phases", []), []
     for phase in range(cfg.phases):
         meta = run_phase(cfg, env, model_dir, phase)
@@ -463,7 +477,7 @@ def run_load(cfg: LoadConfig, report: dict[str, Any], flush: Fn | None = None) -
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    gate.add_case_args(ap, model="olmo-r17", work=Path("/tmp/hybridfa-load"), kv_cache_gib=8.0)
+    add_case_args(ap, model="olmo-r17", work=Path("/tmp/hybridfa-load"), kv_cache_gib=8.0)
     ap.add_argument("--phases", type=int, default=5, help="engine + server runs on one folder")
     ap.add_argument("--phase-s", type=float, default=60.0, help="seconds of load per phase")
     ap.add_argument("--concurrency", type=int, default=64)
@@ -471,20 +485,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.lmcache_dir is None:
         ap.error("--lmcache-dir is required")
     args = {"phases": a.phases, "phase_s": a.phase_s, "concurrency": a.concurrency}
-    cfg = LoadConfig(**gate.case_args(a), **args)
+    cfg = LoadConfig(**case_args(a), **args)
     g, lens = cfg.case.geometry, [len(e.tokens) for e in cfg.pool]
     config = {"model": cfg.model, "layout": cfg.layout, "N": g.block_size, "chunk": cfg.case.chunk}
     config |= {**args, "pool": f"{len(lens)} prompts, {sum(lens)} tokens"}
-    stem, head, problem = gate.start_report("gpu-load", a.arm, cfg.python, cfg.lmcache_dir, a.out)
+    stem, head, problem = start_report("gpu-load", a.arm, cfg.python, cfg.lmcache_dir, a.out)
     report: Rec = {"schema": SCHEMA, **head, "config": config | {"workload": asdict(cfg.workload)}}
 
     def flush() -> None:
-        gate.write_json_md(stem, report, markdown_report(report))
+        write_json_md(stem, report, markdown_report(report))
 
     if problem:
         report["error"] = problem
     else:
-        gate.install_cleanup_handler()
+        install_cleanup_handler()
         run_load(cfg, report, flush)
     flush()
     print(markdown_report(report))

@@ -1,4 +1,4 @@
-"""GPU fault case (issue 8 item 3): the LMCache server SIGKILLed while an engine stores.
+"""GPU fault case: the LMCache server SIGKILLed while an engine stores.
 
 1. cold     engine without LMCache: the long prompt's greedy tokens, top-k logprobs and
             wall time, then the health request's time (the latency baselines);
@@ -10,17 +10,17 @@
             cold time + ``--beats`` heartbeats + ``--margin-s``, and stay healthy;
 3. restore  LMCache server 2 on the same folder + a fresh engine: the same prompt. The
             hit must not exceed the complete objects' tokens; every restored block's FA
-            and GDN bytes must equal the storing engine's (gate.compare_kv_hashes);
+            and GDN bytes must equal the storing engine's (compare_kv_hashes);
             tokens and logprobs must equal the cold run's.
 
-Patched (patch 0010) gives up on a dead server about two heartbeats after it went silent;
+Patched (the scheduler adapter's heartbeat) gives up on a dead server about two heartbeats
+after it went silent;
 pristine 0.5.3 blocks the scheduler's lookup for ``lmcache.mp.mq_timeout`` (``--mq-timeout-s``
 here), so its further request misses the bound.
 
-Usage on the GPU node::
+Usage on a GPU node, from the checkout root::
 
-    python3 tests/gpu/fault_kill_mid_store.py --arm patched --lmcache-dir /tmp/lmc-patched \\
-        --out results/
+    python -m hybridfa_gate.fault --arm patched --lmcache-dir /tmp/lmc-patched --out results/
 
 Only the standard library is imported; the gate's helpers run the processes.
 """
@@ -39,10 +39,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-import gate  # noqa: E402  (stdlib only: the gate's model configs and process helpers)
+from hybridfa_gate.cases import Case
+from hybridfa_gate.cli import add_case_args, case_args
+from hybridfa_gate.judge import compare_kv_hashes, compare_logprobs
+from hybridfa_gate.l2 import folder_inventory
+from hybridfa_gate.models import write_model_dir
+from hybridfa_gate.procs import (
+    ServerError,
+    child_env,
+    free_port,
+    install_cleanup_handler,
+    kill_group,
+    run_engine,
+    server_log_facts,
+    start_server,
+)
+from hybridfa_gate.prompts import make_prompt, prompt_key
+from hybridfa_gate.report import fmt, write_json_md
+from hybridfa_gate.run import ColdRuns, slim, start_report
+from hybridfa_gate.specs import RunConfig, engine_spec
 
 SCHEMA = "hybridfa-gpu-fault-kill-mid-store/1"
 DEGRADED = "entering degraded mode"  # HeartbeatThread's log line (worker and scheduler)
@@ -170,7 +185,7 @@ def evaluate_fault(
     )
     checks["in-flight request bounded"] = out["inflight"]["ok"]
     checks["further request bounded"] = out["further"]["ok"]
-    lp_store, d_store = gate.compare_logprobs(cold["logprobs"], store["logprobs"])
+    lp_store, d_store = compare_logprobs(cold["logprobs"], store["logprobs"])
     checks["store engine healthy, output = cold"] = (
         bool((store.get("health") or {}).get("ok"))
         and store["tokens"] == cold["tokens"]
@@ -185,10 +200,10 @@ def evaluate_fault(
             "no external hit after the restart: nothing restored, (a) proves nothing"
         )
     checks["hit within complete objects"] = 0 < hit <= complete_objects * chunk
-    kv = gate.compare_kv_hashes(store.get("kv_hashes"), restore.get("kv_hashes"), hit)
+    kv = compare_kv_hashes(store.get("kv_hashes"), restore.get("kv_hashes"), hit)
     out["kv"] = kv
     checks["restored KV = stored KV"] = bool(kv["match"]) and hit > 0
-    lp_restore, d_restore = gate.compare_logprobs(cold["logprobs"], restore["logprobs"])
+    lp_restore, d_restore = compare_logprobs(cold["logprobs"], restore["logprobs"])
     out["logprob_max_diff"] = {"store": d_store, "restore": d_restore}
     checks["restore tokens/logprobs = cold"] = restore["tokens"] == cold["tokens"] and lp_restore
     checks["restore engine healthy"] = bool((restore.get("health") or {}).get("ok"))
@@ -222,8 +237,8 @@ def markdown_report(report: dict[str, Any]) -> str:
         b = ev.get(key)
         if b:
             lines.append(
-                f"| {label} latency s (bound) | {gate.fmt(b.get('latency_s'))} "
-                f"({gate.fmt(b.get('bound_s'))}) |"
+                f"| {label} latency s (bound) | {fmt(b.get('latency_s'))} "
+                f"({fmt(b.get('bound_s'))}) |"
             )
     if "hit_tokens" in ev:
         kv = ev.get("kv") or {}
@@ -246,7 +261,7 @@ def count_tmp(root: Path) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# Node side
+# GPU side
 # ---------------------------------------------------------------------------------------
 
 
@@ -273,8 +288,8 @@ class FaultConfig:
     python: str = sys.executable
 
     @property
-    def case(self) -> gate.Case:
-        return gate.Case(self.model, self.layout, self.chunk_blocks, exact=False)
+    def case(self) -> Case:
+        return Case(self.model, self.layout, self.chunk_blocks, exact=False)
 
     @property
     def prompt_len(self) -> int:
@@ -287,7 +302,7 @@ def fault_spec(fc: FaultConfig, role: str, model_dir: Path, port: int | None) ->
     that every L2 object belongs to the long prompt) and a short heartbeat."""
     case = fc.case
     n, p = case.geometry.block_size, fc.prompt_len
-    rc = gate.RunConfig(
+    rc = RunConfig(
         arm=fc.arm,
         lmcache_dir=fc.lmcache_dir,
         out=fc.out,
@@ -297,13 +312,13 @@ def fault_spec(fc: FaultConfig, role: str, model_dir: Path, port: int | None) ->
         engine_timeout=fc.engine_timeout,
         work=fc.work,
     )
-    spec = gate.engine_spec(case, role, model_dir, rc, port, None)
-    prompt = gate.make_prompt(p, seed=1)
+    spec = engine_spec(case, role, model_dir, rc, port, None)
+    prompt = make_prompt(p, seed=1)
     spec.update(
         prompt=prompt,
-        prompt_key=gate.prompt_key(prompt),
+        prompt_key=prompt_key(prompt),
         max_model_len=p + 4 * n,
-        warmup=gate.make_prompt(max(16, case.chunk // 2), seed=2),
+        warmup=make_prompt(max(16, case.chunk // 2), seed=2),
     )
     if port is not None:
         spec["lmcache"]["extra_config"].update(
@@ -315,7 +330,7 @@ def fault_spec(fc: FaultConfig, role: str, model_dir: Path, port: int | None) ->
     return spec
 
 
-def run_fault(fc: FaultConfig, cold_runs: gate.ColdRuns) -> dict[str, Any]:
+def run_fault(fc: FaultConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     t0 = time.monotonic()
     case = fc.case
     chunk, p = case.chunk, fc.prompt_len
@@ -325,12 +340,12 @@ def run_fault(fc: FaultConfig, cold_runs: gate.ColdRuns) -> dict[str, Any]:
     shutil.rmtree(wd, ignore_errors=True)
     l2 = wd / "l2"
     l2.mkdir(parents=True)
-    model_dir = gate.write_model_dir(case.spec, fc.work / "models")
-    env = gate.child_env(fc.lmcache_dir, case.layout)
+    model_dir = write_model_dir(case.spec, fc.work / "models")
+    env = child_env(fc.lmcache_dir, case.layout)
     rec: dict[str, Any] = {"kill_target": target}
     cold = cold_runs.get_or_run(
         ("fault-kill-mid-store", case.model, p, case.layout, case.tp),
-        lambda: gate.run_engine(
+        lambda: run_engine(
             fc.python, env, fault_spec(fc, "cold", model_dir, None), wd, "cold", fc.engine_timeout
         ),
     )
@@ -338,41 +353,39 @@ def run_fault(fc: FaultConfig, cold_runs: gate.ColdRuns) -> dict[str, Any]:
     kill: dict[str, Any] = {"decision": "not run"}
     servers: list[Any] = []
     try:
-        port = gate.free_port()
-        srv1 = gate.start_server(fc.python, env, port, chunk, l2, wd / "server1.log")
+        port = free_port()
+        srv1 = start_server(fc.python, env, port, chunk, l2, wd / "server1.log")
         servers.append(srv1)
         box: dict[str, Any] = {}
         spec = fault_spec(fc, "fault-store", model_dir, port)
 
         def store_engine() -> None:
-            box["store"] = gate.run_engine(
-                fc.python, env, spec, wd, "fault-store", fc.engine_timeout
-            )
+            box["store"] = run_engine(fc.python, env, spec, wd, "fault-store", fc.engine_timeout)
 
         th = threading.Thread(target=store_engine, daemon=True)
         th.start()
         kill = watch_and_kill(
             expected,
             target,
-            lambda: gate.l2_backends.folder_inventory(l2),
+            lambda: folder_inventory(l2),
             th.is_alive,
-            lambda: gate.kill_group(srv1),
+            lambda: kill_group(srv1),
             fc.poll_s,
         )
         th.join()
         store = box.get("store")
-        gate.kill_group(srv1)  # no-op after a kill; ends a server the watcher did not kill
-        rec["l2_after_kill"] = gate.l2_backends.folder_inventory(l2)
+        kill_group(srv1)  # no-op after a kill; ends a server the watcher did not kill
+        rec["l2_after_kill"] = folder_inventory(l2)
         rec["tmp_files_after_kill"] = count_tmp(l2)
         text = (wd / "server1.log").read_text(errors="replace")
-        rec["server1"] = gate.server_log_facts(text)
+        rec["server1"] = server_log_facts(text)
         store_log = (wd / "fault-store.log").read_text(errors="replace")
         rec["store_log"] = {"degraded": store_log.count(DEGRADED)}
         if store and store.get("ok") and kill.get("decision") == "kill":
-            port = gate.free_port()
-            srv2 = gate.start_server(fc.python, env, port, chunk, l2, wd / "server2.log")
+            port = free_port()
+            srv2 = start_server(fc.python, env, port, chunk, l2, wd / "server2.log")
             servers.append(srv2)
-            restore = gate.run_engine(
+            restore = run_engine(
                 fc.python,
                 env,
                 fault_spec(fc, "restore", model_dir, port),
@@ -380,14 +393,14 @@ def run_fault(fc: FaultConfig, cold_runs: gate.ColdRuns) -> dict[str, Any]:
                 "restore",
                 fc.engine_timeout,
             )
-            gate.kill_group(srv2)
+            kill_group(srv2)
             text = (wd / "server2.log").read_text(errors="replace")
-            rec["server2"] = gate.server_log_facts(text)
-    except (gate.ServerError, OSError) as e:
+            rec["server2"] = server_log_facts(text)
+    except (ServerError, OSError) as e:
         rec["server_error"] = str(e)[-3000:]
     finally:
         for s in servers:
-            gate.kill_group(s)
+            kill_group(s)
     rec["kill"] = kill
     complete = int((rec.get("l2_after_kill") or {}).get("objects", 0))
     ev = evaluate_fault(
@@ -398,8 +411,7 @@ def run_fault(fc: FaultConfig, cold_runs: gate.ColdRuns) -> dict[str, Any]:
         ev["pass"] = False
     rec["eval"] = ev
     rec["engines"] = {
-        role: gate._slim(r)
-        for role, r in (("cold", cold), ("fault-store", store), ("restore", restore))
+        role: slim(r) for role, r in (("cold", cold), ("fault-store", store), ("restore", restore))
     }
     rec["elapsed_s"] = round(time.monotonic() - t0, 1)
     if not fc.keep_l2:
@@ -409,7 +421,7 @@ def run_fault(fc: FaultConfig, cold_runs: gate.ColdRuns) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    gate.add_case_args(ap, model="olmo-r5", work=Path("/tmp/hybridfa-gate"), kv_cache_gib=None)
+    add_case_args(ap, model="olmo-r5", work=Path("/tmp/hybridfa-gate"), kv_cache_gib=None)
     ap.add_argument("--prompt-tokens", type=int, default=None, help="default: >= 60 chunks")
     ap.add_argument("--kill-fraction", type=float, default=0.3)
     ap.add_argument("--heartbeat-s", type=float, default=2.0)
@@ -421,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.lmcache_dir is None and not a.plan:
         ap.error("--lmcache-dir is required (except with --plan)")
     fc = FaultConfig(
-        **gate.case_args(a),
+        **case_args(a),
         prompt_tokens=a.prompt_tokens,
         kill_fraction=a.kill_fraction,
         heartbeat_s=a.heartbeat_s,
@@ -447,18 +459,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.plan:
         print(json.dumps(config, indent=1))
         return 0
-    stem, header, problem = gate.start_report(
+    stem, header, problem = start_report(
         "gpu-fault-kill-mid-store", fc.arm, fc.python, fc.lmcache_dir, fc.out
     )
     report: dict[str, Any] = {"schema": SCHEMA, **header, "config": config}
     if problem:
         report["error"] = problem
-        gate.write_json_md(stem, report, markdown_report(report))
+        write_json_md(stem, report, markdown_report(report))
         print(f"fault: {problem}", file=sys.stderr)
         return 2
-    gate.install_cleanup_handler()
-    report.update(run_fault(fc, gate.ColdRuns()))
-    gate.write_json_md(stem, report, markdown_report(report))
+    install_cleanup_handler()
+    report.update(run_fault(fc, ColdRuns()))
+    write_json_md(stem, report, markdown_report(report))
     print(markdown_report(report))
     return 0 if report["eval"]["pass"] else 1
 

@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-
-RUNNER = Path(__file__).resolve().parent.parent / "upstream" / "run_upstream.py"
-spec = importlib.util.spec_from_file_location("hybridfa_run_upstream", RUNNER)
-assert spec is not None and spec.loader is not None
-runner = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = runner
-spec.loader.exec_module(runner)
+from upstream import run_upstream as runner  # tests/upstream/run_upstream.py; tests/ is on sys.path
 
 
 def test_passes_on_pristine_and_fails_again_on_patched_is_a_regression() -> None:

@@ -1,13 +1,11 @@
-"""One vLLM engine in a fresh process: ``python tests/gpu/engine_proc.py SPEC.json OUT.json``.
+"""One vLLM engine in a fresh process: ``python -m hybridfa_gate.engine_proc SPEC.json OUT.json``.
 
-SPEC (gate.engine_spec and friends) names the role: cold, store or restore (the restart gate),
-fault-store (fault_kill_mid_store.py: a store that also runs the health request and does not
-wait for L2) or load (load.py: many requests through LLMEngine, see ``load.load_loop``). OUT
-gets the result, with "ok" and, on failure, the traceback in "error". The parent sets
-VLLM_KV_CACHE_LAYOUT, VLLM_ENABLE_V1_MULTIPROCESSING=0 and PYTHONPATH (lmcache under test first).
-
-Worker-side helpers are plain functions for ``LLM.collective_rpc``: ``self`` is the worker (or
-its wrapper), and they import inside, so they pickle by value into TP workers.
+SPEC (``specs.engine_spec`` and friends) names the role: cold, store or restore (the restart
+gate), fault-store (``fault.py``: a store that also runs the health request and does not wait
+for L2) or load (``load.py``: many requests through LLMEngine, see ``load.load_loop``). OUT gets
+the result, with "ok" and, on failure, the traceback in "error". The parent sets
+VLLM_KV_CACHE_LAYOUT, VLLM_ENABLE_V1_MULTIPROCESSING=0 and PYTHONPATH (lmcache under test
+first). The worker-side helpers are in ``worker.py``.
 """
 
 from __future__ import annotations
@@ -21,171 +19,26 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-import gate  # noqa: E402  (stdlib only: the L2 folder helpers)
-import load  # noqa: E402  (stdlib only: the load role's request loop)
-
-# --- worker side (run through collective_rpc) -------------------------------------------
-
-
-def _runner(self: Any) -> Any:
-    worker = getattr(self, "worker", None) or self
-    return worker.model_runner
-
-
-def _rank(self: Any) -> int:
-    return int((getattr(self, "worker", None) or self).rank)  # vLLM's WorkerBase sets it
-
-
-def _rpc_init_weights(self: Any, seed: int, std: float) -> dict[str, Any]:
-    """Re-initialise every parameter from a per-name seed: N(0, std), norms 1 + N(0, std), so
-    identical after every restart and not load_format="dummy"'s degenerate output. A drafter's
-    own parameters (an MTP layer) too, as "drafter.*"; those it shares keep the target's."""
-    import hashlib
-
-    import torch
-
-    mr = _runner(self)
-    params = list(mr.get_model().named_parameters())
-    drafter = getattr(getattr(mr, "drafter", None), "model", None)
-    if drafter is not None:
-        params += [(f"drafter.{n}", p) for n, p in drafter.named_parameters()]
-    fingerprint = hashlib.blake2b(digest_size=16)
-    count = 0
-    seen: set[int] = set()
-    with torch.no_grad():
-        for name, p in params:
-            if p.data_ptr() in seen:
-                continue
-            seen.add(p.data_ptr())
-            digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-            s = int.from_bytes(digest, "little") & ((1 << 63) - 1)
-            gen = torch.Generator(device="cpu").manual_seed(s)
-            val = torch.randn(tuple(p.shape), generator=gen, dtype=torch.float32) * std
-            module, _, leaf = name.rpartition(".")
-            if leaf == "weight" and "norm" in module.rpartition(".")[2]:
-                val += 1.0  # RMSNorm / LayerNorm scales (input_layernorm, q_norm, ...)
-            p.data.copy_(val.to(device=p.device, dtype=p.dtype))
-            count += p.numel()
-            fingerprint.update(name.encode())
-            fingerprint.update(p.data.flatten()[:64].float().cpu().numpy().tobytes())
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return {"rank": _rank(self), "params": count, "fingerprint": fingerprint.hexdigest()}
-
-
-def _rpc_install_block_hook(self: Any) -> str:
-    """Record each live request's block table after every _update_states, keyed by
-    gate.prompt_key: the worker drops a finished request's table."""
-    mr = _runner(self)
-    if getattr(mr, "_gate_blocks", None) is not None:
-        return type(mr).__name__
-    if not hasattr(mr, "_update_states") or not hasattr(mr, "requests"):
-        raise RuntimeError(
-            f"{type(mr).__module__}.{type(mr).__name__} has no _update_states/requests; "
-            "the gate's block-table hook supports the V1 GPUModelRunner only"
-        )
-    mr._gate_blocks = {}
-    orig = mr._update_states
-
-    def wrapped(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        out = orig(scheduler_output, *args, **kwargs)
-        for st in mr.requests.values():
-            toks = list(st.prompt_token_ids or [])
-            key = f"{len(toks)}:" + ",".join(str(t) for t in toks[:16])
-            mr._gate_blocks[key] = [list(g) for g in st.block_ids]
-        return out
-
-    mr._update_states = wrapped
-    return type(mr).__name__
-
-
-def _rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
-    """Per-layer, per-logical-block blake2b of the request's KV, layout independent.
-
-    FA (FlashInfer's (B_kernel, H, page, 2*hs), NHD or HND in memory): logical block L is
-    kernel pages L*r .. L*r+r-1, its token slots hashed in token order up to the prompt's end.
-    GDN ([conv_state, ssm_state] by block id): full prompt blocks j < P//N only, whose slot
-    holds the align-mode checkpoint after (j+1)*N tokens. Null blocks (id 0) are skipped."""
-    mr = _runner(self)
-    blocks = getattr(mr, "_gate_blocks", {}).get(key)
-    if blocks is None:
-        raise RuntimeError(f"no block table recorded for {key[:40]}...; hook not installed?")
-    return {"rank": _rank(self), **_hash_blocks(mr, blocks, prompt_tokens)}
-
-
-def _rpc_block_hashes(self: Any, req_id: str, prompt_tokens: int, only: list[int]) -> dict:
-    """``_rpc_kv_hashes`` of the prompt blocks ``only`` of a running request, by vLLM's
-    internal id (load.py hashes before the blocks can be freed and reused)."""
-    mr = _runner(self)
-    st = getattr(mr, "requests", {}).get(req_id)
-    if st is None:
-        return {"rank": _rank(self), "missing": True, "fa": {}, "gdn": {}}
-    res = _hash_blocks(mr, [list(g) for g in st.block_ids], prompt_tokens, set(only))
-    res.pop("block_ids", None)
-    return {"rank": _rank(self), **res}
-
-
-def _hash_blocks(
-    mr: Any, blocks: list[list[int]], prompt_tokens: int, only: set[int] | None = None
-) -> dict[str, Any]:
-    """``_rpc_kv_hashes`` over a block table (an id list per KV cache group)."""
-    import hashlib
-
-    import torch
-
-    ctx = mr.compilation_config.static_forward_context
-    res: dict[str, Any] = {"fa": {}, "gdn": {}, "block_ids": blocks}
-
-    def digest(t: torch.Tensor) -> str:
-        data = t.contiguous().flatten().view(torch.uint8).cpu().numpy().tobytes()
-        return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-    with torch.no_grad():
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        for gi, group in enumerate(mr.kv_cache_config.kv_cache_groups):
-            ids = blocks[gi] if gi < len(blocks) else []
-            n = res["block_size"] = int(group.kv_cache_spec.block_size)
-            for layer in group.layer_names:
-                kv = ctx[layer].kv_cache
-                gdn = isinstance(kv, (list, tuple))  # GDN / Mamba state list
-                nblocks = prompt_tokens // n if gdn else -(-prompt_tokens // n)
-                js = [j for j in range(min(nblocks, len(ids))) if only is None or j in only]
-                wanted = [(j, ids[j]) for j in js if ids[j] != 0]  # 0: the null block
-                if gdn:
-                    res["gdn"][layer] = {
-                        str(j): digest(torch.cat([s[b].flatten().view(torch.uint8) for s in kv]))
-                        for j, b in wanted
-                    }
-                    continue
-                if kv.dim() != 4:
-                    raise RuntimeError(f"{layer}: unexpected FA cache rank {kv.dim()}")
-                page = res["kernel_page"] = int(kv.shape[2])
-                r = n // page
-                # Memory order of the logical (B, H, page, 2hs) view; with one kv head per rank
-                # the strides cannot tell, so report nothing.
-                if kv.shape[1] > 1:
-                    res["layout"] = "NHD" if kv.stride(2) > kv.stride(1) else "HND"
-                fa: dict[str, str] = {}
-                for j, b in wanted:
-                    pages = kv[b * r : (b + 1) * r]  # (r, H, page, 2hs)
-                    tok = pages.permute(0, 2, 1, 3).reshape(r * page, kv.shape[1], kv.shape[3])
-                    fa[str(j)] = digest(tok[: min(n, prompt_tokens - j * n)])
-                res["fa"][layer] = fa
-    return res
+from hybridfa_gate import load
+from hybridfa_gate.forge import snapshot
+from hybridfa_gate.procs import wait_l2_stable
+from hybridfa_gate.prompts import prompt_key
+from hybridfa_gate.worker import (
+    rpc_block_hashes,
+    rpc_init_weights,
+    rpc_install_block_hook,
+    rpc_kv_hashes,
+)
 
 
 def _wait_l2(
     tier: str, min_objects: int, timeout: float = 90.0, server_log: str | None = None
 ) -> dict[str, Any]:
     """Stores are asynchronous: keep this process (and its GPU KV, which the server reads
-    through CUDA IPC) alive until the chunks reached the L2 tier (``gate.wait_l2_stable``)."""
+    through CUDA IPC) alive until the chunks reached the L2 tier (``procs.wait_l2_stable``)."""
     t0 = time.monotonic()
     log = Path(server_log) if server_log else None
-    res = gate.wait_l2_stable(tier, min_objects, timeout=timeout, server_log=log)
+    res = wait_l2_stable(tier, min_objects, timeout=timeout, server_log=log)
     return {"store_failures": 0, **res, "waited_s": time.monotonic() - t0}
 
 
@@ -222,11 +75,11 @@ def _output(o: Any) -> dict[str, Any]:
 
 
 def _generate_timed(
-    llm: Any, prompt: list[int], params: Any, steps: list | None = None
+    llm: Any, prompt: list[int], params: Any, steps: list | None = None, lora: Any = None
 ) -> tuple[Any, dict[str, Any]]:
     """One request through LLMEngine's step loop: its final output and its TTFT, request time,
     prompt tokens from a cache (all; vLLM's own, local; the connector's, external) and probes
-    before and after. ``steps`` gets each step's start and duration."""
+    before and after. ``steps`` gets each step's start and duration; ``lora``: a LoRARequest."""
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
@@ -236,7 +89,8 @@ def _generate_timed(
     probe = _request_probe()
     t0 = time.perf_counter()
     rid = f"timed-{time.monotonic_ns()}"  # one per call: an engine times several requests
-    internal = engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+    tokens = TokensPrompt(prompt_token_ids=prompt)
+    internal = engine.add_request(rid, tokens, params, lora_request=lora)
     ttft: float | None = None
     while True:
         ts = time.perf_counter()
@@ -316,8 +170,8 @@ def _request_probe() -> dict[str, Any]:
     return {"epoch": time.time(), "read_bytes": read[0]}
 
 
-def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> Any:
-    from vllm import LLM
+def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """vLLM ``LLM`` keyword arguments of an engine spec."""
     from vllm.config import KVTransferConfig
 
     kw: dict[str, Any] = {
@@ -336,12 +190,17 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
         "tensor_parallel_size": spec["tensor_parallel_size"],
         "speculative_config": spec.get("speculative_config"),
         # Qwen3.5's GDN prefill defaults to FlashInfer on SM90, whose kernel needs the CuTe
-        # DSL package our node lacks ("SM90 GDN prefill DSL kernel is unavailable"). The
+        # DSL package ("SM90 GDN prefill DSL kernel is unavailable" where it is missing). The
         # Triton/FLA kernel computes the same recurrence; the KV cache layout is unchanged.
         "gdn_prefill_backend": "triton",
     }
     if spec.get("kv_cache_memory_bytes"):
         kw["kv_cache_memory_bytes"] = int(spec["kv_cache_memory_bytes"])
+    if spec.get("kv_cache_dtype"):
+        kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    if lora := spec.get("lora"):
+        kw.update(enable_lora=True, max_lora_rank=int(lora["max_lora_rank"]))
+        kw["max_loras"] = max(1, len(lora["adapters"]))
     if spec.get("language_model_only"):
         kw["language_model_only"] = True
     if spec.get("log_stats"):  # RequestOutput.metrics (TTFT) for bench/gpu_restore.py
@@ -355,17 +214,37 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
             kv_role="kv_both",
             kv_connector_extra_config=lmc["extra_config"],
         )
-    llm = LLM(**kw)
+    return kw
+
+
+def lora_requests(spec: dict[str, Any]) -> dict[str, Any]:
+    """{adapter name: LoRARequest} of a LoRA case's adapters (ids 1, 2, ... by name)."""
+    adapters = (spec.get("lora") or {}).get("adapters") or {}
+    if not adapters:
+        return {}
+    from vllm.lora.request import LoRARequest
+
+    return {
+        name: LoRARequest(lora_name=name, lora_int_id=i, lora_path=path)
+        for i, (name, path) in enumerate(sorted(adapters.items()), 1)
+    }
+
+
+def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> Any:
+    from vllm import LLM
+
+    llm = LLM(**llm_kwargs(spec))
     vc = llm.llm_engine.vllm_config
     result["engine_up_s"] = round(time.monotonic() - t_start, 2)
     result["cache_block_size"] = vc.cache_config.block_size
     result["mamba_page_size_padded"] = vc.cache_config.mamba_page_size_padded
+    result["kv_cache_dtype"] = str(vc.cache_config.cache_dtype)
     print(f"[gate] engine up in {result['engine_up_s']}s block_size={vc.cache_config.block_size}")
     return llm
 
 
 def _count_block_table_resyncs(llm: Any) -> dict[str, int] | None:
-    """Count patch 0003's tracker resyncs that found vLLM's block table rewritten in place (the
+    """Count the connector tracker's resyncs that found vLLM's block table rewritten in place (the
     speculative tail's moves, freed skipped blocks); None without a resync (pristine)."""
     connector = _scheduler_connector(llm)
     module = sys.modules.get(type(connector).__module__) if connector is not None else None
@@ -394,7 +273,7 @@ def _start(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     inits = [{"fingerprint": "dummy"}]
     if spec.get("weight_std") is not None:
         args = (spec["weight_seed"], spec["weight_std"])
-        inits = llm.collective_rpc(_rpc_init_weights, args=args)
+        inits = llm.collective_rpc(rpc_init_weights, args=args)
     result["weights"] = inits
     result["weights_fingerprint"] = ",".join(i["fingerprint"] for i in inits)
     return llm
@@ -414,7 +293,7 @@ def _generate(llm: Any, tokens: list[int], params: Any) -> Any:
 
 
 # Roles that run the health request after the measured one. fault-store is a store engine
-# whose LMCache server fault_kill_mid_store.py SIGKILLs during the measured request: the
+# whose LMCache server fault.py SIGKILLs during the measured request: the
 # health request is then the "further request" that must finish within a bounded time.
 HEALTH_ROLES = ("restore", "cold", "fault-store")
 
@@ -423,10 +302,11 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     """A gate role: the measured request and what the spec asks around it."""
     global TAP
     llm = _start(spec, result)
-    result["model_runner"] = llm.collective_rpc(_rpc_install_block_hook)[0]
+    result["model_runner"] = llm.collective_rpc(rpc_install_block_hook)[0]
     TAP = PrefillTap(llm.llm_engine.engine_core)
     resyncs = _count_block_table_resyncs(llm)
     greedy = _sampling(spec["new_tokens"], spec["top_k"])
+    loras = lora_requests(spec)
     _generate(llm, spec["warmup"], _sampling(2))
     for name, tokens in (spec.get("warm_first") or {}).items():
         result.setdefault("warm_first", {})[name] = _generate_timed(llm, tokens, greedy)[1]
@@ -435,7 +315,8 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     steps: list[dict[str, float]] = []
     timed_lookups = spec["role"] == "restore" and _time_lookups(llm, lookups)
     e0, t0 = time.time(), time.perf_counter()
-    out, timed = _generate_timed(llm, spec["prompt"], greedy, steps)
+    lora = loras.get(spec.get("prompt_lora") or "")
+    out, timed = _generate_timed(llm, spec["prompt"], greedy, steps, lora)
     result.update(timed, request_epoch=[e0, time.time()], **_output(out))
     if timed_lookups:
         result["timeline"] = restore_timeline(t0, result["ttft_s"], lookups, steps)
@@ -444,7 +325,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     hashes = [{"block_size": result["cache_block_size"]}]  # kv_hashes false: timing runs
     if spec.get("kv_hashes", True):
         args = (spec["prompt_key"], len(spec["prompt"]))
-        hashes = llm.collective_rpc(_rpc_kv_hashes, args=args)
+        hashes = llm.collective_rpc(rpc_kv_hashes, args=args)
     result["kv_hashes"] = hashes
     n, page = hashes[0].get("block_size"), hashes[0].get("kernel_page")
     ratio = n // page if n and page else None
@@ -452,14 +333,26 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     result["observed_layout"] = hashes[0].get("layout")
     if resyncs is not None:
         result["block_table_resyncs"] = resyncs
+    if (snap := spec.get("l2_snapshot")) and spec.get("l2"):
+        # The objects of the measured prompt alone (a forged-object case), once they landed.
+        wait = _wait_l2(spec["l2"], int(snap["min_objects"]), server_log=spec.get("server_log"))
+        result["l2_snapshot_wait"] = wait
+        result["l2_snapshot"] = snapshot(spec["l2"])
+    if second := spec.get("second"):
+        # The same prompt under another LoRA adapter, right after the measured request.
+        lora = loras[second["lora"]]
+        out2, timed2 = _generate_timed(llm, spec["prompt"], greedy, None, lora)
+        result["second"] = {"lora": second["lora"], **timed2, **_output(out2)}
+        args = (spec["prompt_key"], len(spec["prompt"]))
+        result["second"]["kv_hashes"] = llm.collective_rpc(rpc_kv_hashes, args=args)
 
     if spec.get("turn2_question"):
         # vLLM's own prefix cache serves turn 1's prompt and answer to turn 2.
         p2 = [*spec["prompt"], *result["tokens"], *spec["turn2_question"]]
         out2, timed2 = _generate_timed(llm, p2, _sampling(spec["turn2_new_tokens"], spec["top_k"]))
         result["turn2"] = {"prompt_tokens": len(p2), **timed2, **_output(out2)}
-        args = (gate.prompt_key(p2), len(p2))
-        result["turn2"]["kv_hashes"] = llm.collective_rpc(_rpc_kv_hashes, args=args)
+        args = (prompt_key(p2), len(p2))
+        result["turn2"]["kv_hashes"] = llm.collective_rpc(rpc_kv_hashes, args=args)
 
     if spec.get("cold_reference"):
         # The same prefill with nothing to restore, in this engine and under this load,
@@ -516,7 +409,7 @@ def run_load(spec: dict[str, Any], result: dict[str, Any]) -> Any:
         return engine.add_request(request_id, render(TokensPrompt(prompt_token_ids=tokens)), params)
 
     def hash_rpc(req_id: str, prompt_tokens: int, only: list[int]) -> list[dict[str, Any]]:
-        return llm.collective_rpc(_rpc_block_hashes, args=(req_id, prompt_tokens, only))
+        return llm.collective_rpc(rpc_block_hashes, args=(req_id, prompt_tokens, only))
 
     with open(spec["records_path"], "a") as fh:
 

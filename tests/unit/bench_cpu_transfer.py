@@ -2,8 +2,9 @@
 transfer module, hybrid (6 GDN + 2 FA, N=544 over 32-slot pages, r=17) against a
 non-hybrid model of 8 FA layers moving the same bytes per chunk.
 
-Run with the build under test on PYTHONPATH, from the repo root:
-    PYTHONPATH=build/lmc-patched .venv-test/bin/python bench/cpu_transfer.py [--out FILE]
+It drives the unit tests' hybrid KV and LMCache's real transfer module (hybrid_kv.py), so it
+lives beside them; pytest does not collect it. Run with the build under test on PYTHONPATH:
+    PYTHONPATH=build/lmc-patched .venv-test/bin/python tests/unit/bench_cpu_transfer.py [--out FILE]
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "unit"))
-from hybrid_kv import build_fa_only_kv, build_hybrid_kv, start_server  # noqa: E402
+from hybrid_kv import build_fa_only_kv, build_hybrid_kv, start_server
 
 N, PAGE, CHUNKS, REPEATS = 544, 32, 30, 5
 

@@ -1,0 +1,1 @@
+"""Benchmarks (bench/README.md); run from the checkout root as ``python -m bench.<name>``."""

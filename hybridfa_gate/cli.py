@@ -1,0 +1,109 @@
+"""Command line of the gate (``python -m hybridfa_gate``) and the options the fault and load
+runs share with it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridfa_gate.cases import MODELS, SET_NAMES, select_cases
+from hybridfa_gate.judge import gate_problems
+from hybridfa_gate.procs import install_cleanup_handler
+from hybridfa_gate.report import table_row
+from hybridfa_gate.run import ARMS, run_matrix
+from hybridfa_gate.specs import RunConfig
+
+ARM_HELP = (
+    "patched (this series' wheel), pristine (lmcache 0.5.3) or control (pristine with the "
+    "series' HND and native-batch patches, built by `python -m hybridfa_gate.control`, for "
+    "the HND and resp cases where pristine stores nothing)"
+)
+
+
+def add_run_args(
+    ap: argparse.ArgumentParser, *, work: Path, kv_cache_gib: float | None, arms: Sequence[str]
+) -> None:
+    ap.add_argument("--arm", choices=arms, default="patched", help=ARM_HELP)
+    ap.add_argument(
+        "--lmcache-dir",
+        type=Path,
+        help="folder holding the lmcache package under test (put first on the PYTHONPATH of "
+        "every engine and server)",
+    )
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=kv_cache_gib,
+        help="fixed KV cache per engine (skips vLLM's memory profiling, which breaks when "
+        "engines run at once)",
+    )
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    ap.add_argument("--work", type=Path, default=work)
+    ap.add_argument("--keep-l2", action="store_true")
+
+
+def add_case_args(
+    ap: argparse.ArgumentParser, *, model: str, work: Path, kv_cache_gib: float | None
+) -> None:
+    add_run_args(ap, work=work, kv_cache_gib=kv_cache_gib, arms=("patched", "pristine"))
+    ap.add_argument("--model", default=model, choices=sorted(MODELS))
+    ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
+    ap.add_argument("--chunk-blocks", type=int, default=1, help="LMCache chunk = this x N")
+
+
+def case_args(a: argparse.Namespace) -> dict[str, Any]:
+    """add_case_args' values, as keyword arguments of FaultConfig and LoadConfig."""
+    keys = ("arm", "out", "model", "layout", "chunk_blocks", "kv_cache_gib")
+    args = {k: getattr(a, k) for k in (*keys, "gpu_memory_utilization", "keep_l2", "work")}
+    return {**args, "lmcache_dir": (a.lmcache_dir or Path(".")).resolve()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m hybridfa_gate",
+        description="GPU restart gate: store, kill engine and LMCache server, restart, restore "
+        "(criteria: hybridfa_gate/judge.py)",
+    )
+    add_run_args(ap, work=Path("/tmp/hybridfa-gate"), kv_cache_gib=None, arms=ARMS)
+    ap.add_argument(
+        "--cases",
+        default="quick",
+        help=f"{' | '.join(SET_NAMES)}, or comma-separated case ids / regexes",
+    )
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
+    ap.add_argument("--jobs", type=int, default=1, help="cases run at once, each its own engines")
+    ap.add_argument("--list", action="store_true", help="print the selected cases and exit")
+    a = ap.parse_args(argv)
+    try:
+        cases = select_cases(a.cases, a.tp)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.list:
+        for c in cases:
+            g = c.geometry
+            shape = f"N={g.block_size} page={g.kernel_page} r={g.ratio} chunk={c.chunk}"
+            print(f"{c.case_id:44s} {shape} prompt={c.prompt_tokens}")
+        return 0
+    if a.lmcache_dir is None:
+        ap.error("--lmcache-dir is required (except with --list)")
+    if a.jobs > 1 and not a.kv_cache_gib:
+        ap.error("--jobs > 1 needs --kv-cache-gib (vLLM's profiling breaks under concurrency)")
+    rc = RunConfig(
+        a.arm, a.lmcache_dir.resolve(), a.out, jobs=a.jobs, keep_l2=a.keep_l2, work=a.work
+    )
+    rc.gpu_memory_utilization = a.gpu_memory_utilization
+    rc.kv_cache_memory_bytes = int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None
+    install_cleanup_handler()
+    report = run_matrix(cases, rc, lambda rec: print(" | ".join(table_row(a.arm, rec)), flush=True))
+    if report.get("error"):
+        print(f"gate: {report['error']}", file=sys.stderr)
+        return 2
+    print(Path(report["md_path"]).read_text())
+    problems = gate_problems({**report, "selected": [c.case_id for c in cases]}, a.arm)
+    for problem in problems:
+        print(f"gate: {problem}", file=sys.stderr)
+    return 1 if problems else 0

@@ -1,0 +1,251 @@
+"""Processes of a gate run: LMCache servers and vLLM engines, each in its own process group,
+their environment, their logs, and their cleanup.
+
+An engine is ``python -m hybridfa_gate.engine_proc SPEC OUT`` (one engine per process, so a
+restore reads what another process stored). Every child runs in its work folder: the checkout
+root is never its first import path, so a materialized ``lmcache/`` there never shadows the
+build under test, which goes first on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridfa_gate import l2 as l2_tiers
+
+# The folder holding the hybridfa_gate package: on every child's PYTHONPATH, after the rest.
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+ENGINE_MODULE = "hybridfa_gate.engine_proc"
+SERVER_BOOT = (
+    "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"
+)
+STORE_FAILED = "Cannot store keys due to exception"
+# The patched server's registration error: a hybrid layout on a server with an fs_native tier.
+REFUSAL = "publishes objects without an integrity check"
+# An L2 adapter found an object that failed its check (short, damaged, forged, written
+# under another tier secret): a miss.
+L2_DISCARD = re.compile(
+    r"is not an (?:authentic|intact) \d+-byte object|Incomplete (?:O_DIRECT )?read for"
+)
+
+free_port = l2_tiers.free_port
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def child_env(lmcache_dir: Path | None, layout: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if lmcache_dir is not None:
+        d = str(Path(lmcache_dir).resolve())
+        parts = [d] + [p for p in parts if Path(p).resolve() != Path(d)]
+    if not any(Path(p).resolve() == PACKAGE_ROOT for p in parts):
+        parts.append(str(PACKAGE_ROOT))
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env["PYTHONUNBUFFERED"] = "1"
+    # In-process engine core: collective_rpc reaches the worker without msgpack and the
+    # worker-side hooks see the same objects; callables are still allowed for TP > 1.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # The worker-side hooks read the V1 GPUModelRunner, which hybrid models default to.
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    # Every Qwen3.5 engine re-ran Triton's autotuning of the GDN kernels (its cases took
+    # 340 s against 135-195 s for OlmoHybrid's, 2026-11-29): keep the results on disk.
+    env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    if layout is not None:
+        env["VLLM_KV_CACHE_LAYOUT"] = layout
+    return env
+
+
+# Process groups we started and have not reaped: killed on SIGTERM or SIGINT, since
+# start_new_session keeps them out of our own group.
+LIVE_GROUPS: set[int] = set()
+
+
+def spawn(
+    cmd: list[str], log: Any, env: dict[str, str], cwd: Path | None = None
+) -> subprocess.Popen[Any]:
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+    )
+    LIVE_GROUPS.add(proc.pid)
+    return proc
+
+
+def install_cleanup_handler() -> None:
+    """On SIGTERM/SIGINT kill every engine and server group still running, then exit 124."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        for pgid in list(LIVE_GROUPS):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def kill_group(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL the process group we created with start_new_session=True (pgid == pid), also
+    after the leader exited on its own: children it left (TP workers, a server's helpers)
+    are still in that group. Call right after the wait, never later."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+    LIVE_GROUPS.discard(proc.pid)
+
+
+def tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def extra_server_args() -> list[str]:
+    """More `lmcache server` options for every server, from $HYBRIDFA_SERVER_ARGS
+    (e.g. a build's opt-in feature); recorded in each report's environment."""
+    return shlex.split(os.environ.get("HYBRIDFA_SERVER_ARGS", ""))
+
+
+def start_server(
+    py: str,
+    env: dict[str, str],
+    port: int,
+    chunk: int,
+    l2: Path | dict[str, Any],
+    log: Path,
+    timeout: float = 180.0,
+    l1_size_gb: float = 4,
+    extra_args: Sequence[str] = (),
+) -> subprocess.Popen[Any]:
+    adapter = l2_tiers.adapter_json("fs", l2) if isinstance(l2, Path) else l2
+    cmd = [py, "-c", SERVER_BOOT, "server", "--chunk-size", str(chunk)]
+    cmd += ["--l1-size-gb", f"{l1_size_gb:g}", "--eviction-policy", "LRU", "--port", str(port)]
+    cmd += ["--http-port", str(free_port()), "--l2-adapter", json.dumps(adapter)]
+    cmd += [*extra_args, *extra_server_args()]
+    with open(log, "w") as fh:
+        proc = spawn(cmd, fh, env, cwd=log.parent)
+    ready = re.compile(r"running|started|listening|ready", re.I)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerError(f"LMCache server exited rc={proc.returncode}:\n{tail(log)}")
+        if port_open(port) and ready.search(log.read_text(errors="replace")):
+            time.sleep(1.0)
+            return proc
+        time.sleep(0.5)
+    kill_group(proc)
+    raise ServerError(f"LMCache server not ready after {timeout:.0f}s:\n{tail(log)}")
+
+
+def lost_port_race(log: Path) -> bool:
+    """A TP engine whose rendezvous port was taken between vLLM's probe and its bind (by a
+    concurrent case): it failed before serving anything, so starting it again is safe."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "EADDRINUSE" in text and "WorkerProc failed to start" in text
+
+
+def engine_command(py: str, spec_path: Path, out_path: Path) -> list[str]:
+    return [py, "-m", ENGINE_MODULE, str(spec_path), str(out_path)]
+
+
+def run_engine(
+    py: str, env: dict[str, str], spec: dict[str, Any], workdir: Path, role: str, timeout: float
+) -> dict[str, Any]:
+    spec_path, out_path = workdir / f"{role}.spec.json", workdir / f"{role}.json"
+    log = workdir / f"{role}.log"
+    spec_path.write_text(json.dumps(spec))
+    t0 = time.monotonic()
+    for attempt in (1, 2):
+        out_path.unlink(missing_ok=True)
+        with open(log, "w") as fh:
+            proc = spawn(engine_command(py, spec_path, out_path), fh, env, cwd=workdir)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=timeout)
+            kill_group(proc)  # a hung engine, or the leftovers (TP workers) of one that exited
+        res: dict[str, Any] = {"ok": False}
+        with contextlib.suppress(OSError, ValueError):
+            res = json.loads(out_path.read_text())
+        if res.get("ok") or attempt == 2 or not lost_port_race(log):
+            break
+        log.rename(workdir / f"{role}.port-race.log")
+    if not res.get("ok"):
+        res.setdefault("error", f"rc={proc.returncode}; log tail:\n{tail(log)}")
+    res.update(attempts=attempt, process_s=round(time.monotonic() - t0, 2), rc=proc.returncode)
+    res["log_facts"] = engine_log_facts(log.read_text(errors="replace") if log.exists() else "")
+    return res
+
+
+_LOG_FACTS = {
+    "attention_block_size": re.compile(r"Setting attention block size to (\d+)"),
+    "group_edits": re.compile(r"KV cache group edits applied: (.*)"),
+    "lmcache_retrieved": re.compile(r"Retrieved (\d+) tokens"),
+    "lmcache_compressed_group": re.compile(r"(compressed \(tokens_per_block=.*)"),
+}
+
+
+def engine_log_facts(text: str) -> dict[str, Any]:
+    facts = {key: found[-1] for key, rx in _LOG_FACTS.items() if (found := rx.findall(text))}
+    return {**facts, "tracebacks": text.count("Traceback (most recent call last)")}
+
+
+def server_log_facts(text: str) -> dict[str, Any]:
+    pre = re.findall(r"Prefetch request completed[^\n]*", text)
+    return {
+        "prefetch": pre[-1] if pre else None,
+        "errors": len(re.findall(r"\bERROR\b|Traceback", text)),
+        "store_failures": text.count(STORE_FAILED),
+        "refusals": text.count(REFUSAL),
+        "l2_discards": len(L2_DISCARD.findall(text)),
+    }
+
+
+def wait_l2_stable(
+    tier: str | Path,
+    min_objects: int,
+    timeout: float = 90.0,
+    quiet: float = 3.0,
+    server_log: Path | None = None,
+) -> dict[str, Any]:
+    """Wait until the L2 tier (``l2.tier_inventory``) holds >= min_objects and stops changing
+    for ``quiet`` s; give up early once it is quiet and ``server_log`` shows failed stores
+    (pristine 0.5.3 under HND fails every store): the missing objects will never come."""
+    deadline = time.monotonic() + timeout
+    last, since = l2_tiers.tier_inventory(tier), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        inv = l2_tiers.tier_inventory(tier)
+        if (inv["objects"], inv["bytes"]) != (last["objects"], last["bytes"]):
+            last, since = inv, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            if inv["objects"] >= min_objects:
+                return {**inv, "stable": True}
+            log = (
+                server_log.read_text(errors="replace") if server_log and server_log.exists() else ""
+            )
+            if failed := log.count(STORE_FAILED):
+                return {**inv, "stable": False, "store_failures": failed}
+    return {**last, "stable": False}

@@ -1,0 +1,198 @@
+"""The engine process's helpers (hybridfa_gate.engine_proc, hybridfa_gate.worker) on fake CPU
+model runners and engines."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from hybridfa_gate import engine_proc, worker
+from hybridfa_gate.judge import compare_kv_hashes
+from hybridfa_gate.prompts import make_prompt, prompt_key
+
+
+def _fa_views(torch, n_kernel: int, page: int, heads: int, width: int, seed: int = 0):
+    """Same token-major content as an NHD (strided) and an HND (contiguous) FA cache."""
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randn(n_kernel, page, heads, width, generator=g).to(torch.bfloat16)
+    nhd = tok.permute(0, 2, 1, 3)  # logical (B, H, page, 2hs), memory (B, page, H, 2hs)
+    hnd = tok.permute(0, 2, 1, 3).contiguous()
+    return nhd, hnd
+
+
+def _fake_runner(torch, fa, gdn, n: int, blocks, tokens):
+    from types import SimpleNamespace as NS
+
+    class Runner:
+        def __init__(self) -> None:
+            self.requests = {"r0": NS(prompt_token_ids=tokens, block_ids=blocks)}
+            self.compilation_config = NS(
+                static_forward_context={"fa.0": NS(kv_cache=fa), "gdn.0": NS(kv_cache=gdn)}
+            )
+            self.kv_cache_config = NS(
+                kv_cache_groups=[
+                    NS(kv_cache_spec=NS(block_size=n), layer_names=["gdn.0"]),
+                    NS(kv_cache_spec=NS(block_size=n), layer_names=["fa.0"]),
+                ]
+            )
+            self.model = torch.nn.ModuleDict(
+                {"proj": torch.nn.Linear(4, 4), "input_layernorm": torch.nn.LayerNorm(4)}
+            )
+
+        def _update_states(self, scheduler_output):
+            return "orig"
+
+        def get_model(self):
+            return self.model
+
+    return NS(worker=NS(model_runner=Runner(), rank=0))
+
+
+def _gdn(torch, nb: int):
+    g = torch.Generator().manual_seed(7)
+    return [
+        torch.randn(nb, 3, 16, generator=g).to(torch.bfloat16),
+        torch.randn(nb, 2, 4, 4, generator=g),
+    ]
+
+
+def _hash_run(torch, fa, tokens, n=80):
+    blocks = ([0, 3, 1, 2], [5, 3, 1, 2])  # GDN group has a null block, FA group none
+    w = _fake_runner(torch, fa, _gdn(torch, 8), n, blocks, tokens)
+    assert worker.rpc_install_block_hook(w) == "Runner"
+    assert w.worker.model_runner._update_states(None) == "orig"
+    return worker.rpc_kv_hashes(w, prompt_key(tokens), len(tokens))
+
+
+def test_kv_hashes_are_layout_independent_and_per_block() -> None:
+    torch = pytest.importorskip("torch")
+    n, page, r = 80, 16, 5
+    tokens = make_prompt(3 * n + 10, seed=4)  # blocks 0..2 full, block 3 partial
+    nhd, hnd = _fa_views(torch, 8 * r, page, 2, 8)
+    a, b = _hash_run(torch, nhd, tokens), _hash_run(torch, hnd, tokens)
+    assert a["layout"] == "NHD" and b["layout"] == "HND" and a["kernel_page"] == page
+    assert a["fa"] == b["fa"] and a["gdn"] == b["gdn"]
+    assert sorted(a["fa"]["fa.0"], key=int) == ["0", "1", "2", "3"]
+    assert sorted(a["gdn"]["gdn.0"], key=int) == ["1", "2"]  # full blocks, nulls skipped
+    # one byte in the 4th kernel page of logical block id 1 (prompt block 2) changes only it
+    hnd2 = hnd.clone()
+    hnd2[1 * r + 3, 1, 5, 0] += 1
+    c = _hash_run(torch, hnd2, tokens)
+    diff = [j for j in a["fa"]["fa.0"] if a["fa"]["fa.0"][j] != c["fa"]["fa.0"][j]]
+    assert diff == ["2"]
+    # slots past the prompt in the partial last block (block id 2) are not hashed
+    hnd3 = hnd.clone()
+    hnd3[2 * r + 4, 0, page - 1, 0] += 1
+    assert _hash_run(torch, hnd3, tokens)["fa"] == a["fa"]
+    # a pristine-like restore that wrote only one kernel page per block is detected
+    partial = hnd.clone()
+    partial[r + 1 : 2 * r] = 0
+    res = compare_kv_hashes([a], [_hash_run(torch, partial, tokens)], hit_tokens=2 * n)
+    assert not res["match"] and res["fa_bad"] == 1
+
+
+def test_init_weights_is_deterministic() -> None:
+    torch = pytest.importorskip("torch")
+    fps = []
+    for _ in range(2):
+        w = _fake_runner(torch, None, None, 80, ([],), [])
+        out = worker.rpc_init_weights(w, 1234, 0.02)
+        model = w.worker.model_runner.model
+        fps.append(out["fingerprint"])
+        assert out["params"] == sum(p.numel() for p in model.parameters())
+        norm, proj = model["input_layernorm"], model["proj"]
+        assert abs(float(norm.weight.detach().mean()) - 1.0) < 0.1  # norm scales near 1
+        assert abs(float(norm.bias.detach().mean())) < 0.1
+        assert float(proj.weight.detach().std()) < 0.1
+    assert fps[0] == fps[1]
+
+
+def test_restore_timeline_splits_ttft_at_the_first_answered_lookup() -> None:
+    lookups = [
+        {"t": 100.00, "s": 0.001, "tokens": None},  # LMCache still reading L2
+        {"t": 100.50, "s": 0.001, "tokens": None},
+        {"t": 101.00, "s": 0.002, "tokens": 4800},
+    ]
+    steps = [{"t": 100.0, "s": 0.3}, {"t": 100.5, "s": 0.01}, {"t": 101.0, "s": 0.2}]
+    steps.append({"t": 101.6, "s": 0.04})  # a decode step, after the first token
+    tl = engine_proc.restore_timeline(100.0, 1.5, lookups, steps)
+    assert tl["lookups"] == 3 and tl["lookups_unanswered"] == 2 and tl["hit_tokens"] == 4800
+    assert tl["wait_for_hit_s"] == pytest.approx(1.002)
+    assert tl["after_hit_s"] == pytest.approx(0.498)
+    assert tl["steps_after_hit"] == [[1.0, 0.2]]
+
+
+def test_restore_timeline_without_an_answer() -> None:
+    tl = engine_proc.restore_timeline(0.0, 2.0, [{"t": 0.0, "s": 0.1, "tokens": None}], [])
+    assert tl["wait_for_hit_s"] is None and tl["after_hit_s"] is None and tl["hit_tokens"] is None
+
+
+def test_block_table_resyncs_are_counted_when_a_slot_is_rewritten() -> None:
+    from types import ModuleType
+    from types import SimpleNamespace as NS
+
+    class Tracker:
+        def __init__(self) -> None:
+            self.allocated_block_ids = {0: [1, 2]}
+            self.live = [[1, 2]]
+
+        def sync_block_ids(self) -> None:
+            self.allocated_block_ids = dict(enumerate(self.live))
+
+    module = ModuleType("fake_lmcache_mp_connector")
+    module.LMCacheMPRequestTracker = Tracker
+    connector_cls = type("LMCacheMPConnector", (), {"__module__": module.__name__})
+    sys.modules[module.__name__] = module
+    try:
+        core = NS(scheduler=NS(connector=connector_cls()))
+        llm = NS(llm_engine=NS(engine_core=NS(engine_core=core)))
+        counts = engine_proc._count_block_table_resyncs(llm)
+        t = Tracker()
+        t.live = [[1, 2, 3]]  # appended: no rewrite
+        t.sync_block_ids()
+        t.live = [[1, 0, 4]]  # the speculative tail moved, the old slot nulled
+        t.sync_block_ids()
+        assert counts == {"calls": 2, "rewrites": 1}
+        assert engine_proc._count_block_table_resyncs(NS(llm_engine=NS())) is None
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_init_weights_covers_the_drafter_but_not_what_it_shares() -> None:
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace as NS
+
+    w = _fake_runner(torch, None, None, 80, ([],), [])
+    runner = w.worker.model_runner
+    shared = runner.model["proj"]
+    runner.drafter = NS(model=torch.nn.ModuleDict({"fc": torch.nn.Linear(4, 4), "head": shared}))
+    worker.rpc_init_weights(w, 1234, 0.02)
+    target_proj = shared.weight.detach().clone()
+    fresh = _fake_runner(torch, None, None, 80, ([],), [])
+    worker.rpc_init_weights(fresh, 1234, 0.02)
+    assert torch.equal(target_proj, fresh.worker.model_runner.model["proj"].weight)
+    fc = runner.drafter.model["fc"].weight
+    assert float(fc.detach().abs().max()) < 0.2 and float(fc.detach().std()) > 0.005
+
+
+def _spec(**extra: object) -> dict:
+    spec = {"model_dir": "/m", "gpu_memory_utilization": 0.2, "max_model_len": 100}
+    spec.update(max_num_batched_tokens=159, tensor_parallel_size=1)
+    return {**spec, **extra}
+
+
+def test_llm_kwargs_take_the_kv_cache_dtype_and_the_lora_settings() -> None:
+    pytest.importorskip("vllm")
+    kw = engine_proc.llm_kwargs(_spec())
+    assert "kv_cache_dtype" not in kw and "enable_lora" not in kw
+    assert kw["mamba_cache_mode"] == "align" and kw["enable_prefix_caching"]
+    kw = engine_proc.llm_kwargs(_spec(kv_cache_dtype="fp8_e5m2"))
+    assert kw["kv_cache_dtype"] == "fp8_e5m2"
+    lora = {"max_lora_rank": 8, "adapters": {"A": "/a", "B": "/b"}}
+    kw = engine_proc.llm_kwargs(_spec(lora=lora))
+    assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, 8, 2)
+
+
+def test_a_spec_without_adapters_has_no_lora_requests() -> None:
+    assert engine_proc.lora_requests(_spec()) == {}

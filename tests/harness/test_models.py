@@ -1,0 +1,147 @@
+"""The gate's tiny models and the geometry vLLM derives from them (hybridfa_gate.models)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridfa_gate import models
+from hybridfa_gate.models import MODELS, Geometry, expected_geometry
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_expected_geometry_of_each_tiny_model(name: str) -> None:
+    ratio = int(name.rsplit("-r", 1)[1])
+    n = {5: 80, 17: 544, 25: 1600}[ratio]  # N of each ratio
+    assert expected_geometry(MODELS[name]) == Geometry(n, n // ratio, ratio)
+
+
+def test_expected_geometry_matches_the_three_required_ratios() -> None:
+    got = {(g.block_size, g.kernel_page, g.ratio) for g in map(expected_geometry, MODELS.values())}
+    assert got == {(80, 16, 5), (544, 32, 17), (1600, 64, 25)}
+
+
+def test_select_kernel_page_is_largest_dividing_size() -> None:
+    assert models.select_kernel_page(80) == 16
+    assert models.select_kernel_page(544) == 32
+    assert models.select_kernel_page(1600) == 64
+    assert models.select_kernel_page(32) == 32
+    with pytest.raises(ValueError):
+        models.select_kernel_page(40)
+
+
+def test_an_fp8_kv_cache_halves_the_fa_bytes_and_about_doubles_n() -> None:
+    m = MODELS["qwen35-r5"]
+    assert models.attn_bytes_per_token(m, kv_cache_dtype="fp8_e4m3") * 2 == (
+        models.attn_bytes_per_token(m)
+    )
+    assert models.mamba_page_bytes(m) == 137_216  # the state dtypes do not change
+    assert expected_geometry(m, kv_cache_dtype="fp8_e5m2") == Geometry(144, 16, 9)
+
+
+class _FlashInferLike:
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int]:
+        return list(models.FLASHINFER_KERNEL_SIZES)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_geometry_agrees_with_vllm_specs(name: str, kv_cache_dtype: str) -> None:
+    """Page sizes from vLLM's own spec classes and state-shape calculator."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    m = MODELS[name]
+    dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        1,
+        m.linear_num_key_heads,
+        m.linear_num_value_heads,
+        m.linear_key_head_dim,
+        m.linear_value_head_dim,
+        m.conv_kernel,
+        0,
+    )
+    mamba = MambaSpec(shapes=shapes, dtypes=(dt[m.kv_dtype], dt[m.ssm_dtype]), block_size=-1)
+    fa_dtype = dt[m.kv_dtype] if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    attn = FullAttentionSpec(
+        block_size=1, num_kv_heads=m.num_kv_heads, head_size=m.head_dim, dtype=fa_dtype
+    )
+    assert mamba.page_size_bytes == models.mamba_page_bytes(m)
+    assert attn.page_size_bytes == models.attn_bytes_per_token(m, 1, kv_cache_dtype)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_kernel_page_agrees_with_vllm_select_common_block_size(name: str) -> None:
+    # vllm.v1.worker.utils pulls in einops (absent from the CPU venv): skip there.
+    utils = pytest.importorskip("vllm.v1.worker.utils")
+    g = expected_geometry(MODELS[name])
+    assert utils.select_common_block_size(g.block_size, [_FlashInferLike]) == g.kernel_page
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_config_loads_in_vllm_config_classes(name: str) -> None:
+    pytest.importorskip("transformers")
+    m = MODELS[name]
+    cfg = models.model_config_dict(m)
+    if m.family == "olmo_hybrid":
+        from vllm.transformers_utils.configs.olmo_hybrid import OlmoHybridConfig
+
+        c = OlmoHybridConfig(**cfg)
+        text = c
+        assert c.hidden_size // c.num_attention_heads == m.head_dim
+    else:
+        from vllm.transformers_utils.configs.qwen3_5 import Qwen3_5Config
+
+        c = Qwen3_5Config(**cfg)
+        text = c.text_config
+        assert text.head_dim == m.head_dim
+        assert text.mamba_ssm_dtype == "float32"
+        rope = text.rope_parameters
+        assert sum(rope["mrope_section"]) == int(m.head_dim * 0.25) // 2
+    assert text.layer_types.count("full_attention") == 2
+    assert text.layer_types.count("linear_attention") == 6
+    assert text.linear_num_value_heads == m.linear_num_value_heads
+
+
+def test_write_model_dir(tmp_path: Path) -> None:
+    d = models.write_model_dir(MODELS["olmo-r5"], tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["OlmoHybridForCausalLM"]
+
+
+def test_mtp_lengthens_the_conv_state_in_the_expected_page() -> None:
+    m = MODELS["qwen35-r5"]
+    conv_dim = 2 * 4 * 64 + 8 * 64
+    assert models.mamba_page_bytes(m, spec_tokens=2) - models.mamba_page_bytes(m) == conv_dim * 4
+
+
+def test_mtp_model_config_takes_vllms_mtp_path() -> None:
+    pytest.importorskip("transformers")
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.transformers_utils.configs.qwen3_5 import Qwen3_5Config
+
+    cfg = Qwen3_5Config(**models.model_config_dict(MODELS["qwen35-r5"], mtp=True))
+    assert cfg.text_config.mtp_num_hidden_layers == 1
+    draft = SpeculativeConfig.hf_config_override(cfg)
+    assert draft.architectures == ["Qwen3_5MTP"] and draft.n_predict == 1
+    with pytest.raises(ValueError, match="MTP"):
+        models.model_config_dict(MODELS["olmo-r5"], mtp=True)
+
+
+def test_a_correct_chunk_holds_every_layers_pages() -> None:
+    # olmo-r5: a correct 80-token chunk is 8 layers x 81,920 B.
+    assert models.expected_chunk_bytes(MODELS["olmo-r5"], 80) == 655_360
+
+
+def test_a_patched_chunk_is_an_fa_object_of_the_chunk_and_a_gdn_object_of_one_block() -> None:
+    # olmo-r5, chunk 2N, as measured on an H200 (2026-11-30): FA 327,720 B and GDN 491,560 B
+    # objects, each with its 40-byte trailer.
+    m = MODELS["olmo-r5"]
+    assert models.fa_object_bytes(m, 160) + 40 == 327_720
+    assert models.gdn_object_bytes(m) + 40 == 491_560

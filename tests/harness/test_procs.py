@@ -1,0 +1,168 @@
+"""The gate's processes (hybridfa_gate.procs): environment, engines, servers' logs, L2 waits,
+cleanup."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridfa_gate import procs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_engine_log_facts() -> None:
+    text = (
+        "Setting attention block size to 80 tokens\n"
+        "KV cache group edits applied: {'mamba-page-view': 6}\nRetrieved 6000 tokens\n"
+    )
+    facts = procs.engine_log_facts(text)
+    assert facts["attention_block_size"] == "80"
+    assert facts["group_edits"] == "{'mamba-page-view': 6}"
+    assert facts["lmcache_retrieved"] == "6000" and facts["tracebacks"] == 0
+
+
+def test_child_env_puts_lmcache_first_and_the_gate_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", f"/tmp/site:{tmp_path}")
+    env = procs.child_env(tmp_path, "HND")
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path.resolve()), "/tmp/site", str(REPO)]
+    assert env["VLLM_KV_CACHE_LAYOUT"] == "HND"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert env["TRITON_CACHE_AUTOTUNING"] == "1"
+
+
+def test_a_child_imports_the_build_under_test_not_the_checkouts_tree(tmp_path: Path) -> None:
+    """A materialized lmcache/ in the checkout root never shadows ``lmcache_dir``: children run
+    in their work folder, with the checkout last on PYTHONPATH."""
+    build = tmp_path / "build"
+    (build / "lmcache").mkdir(parents=True)
+    (build / "lmcache" / "__init__.py").write_text("")
+    env = procs.child_env(build, None)
+    code = "import lmcache, hybridfa_gate; print(lmcache.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(build / "lmcache" / "__init__.py")
+
+
+def test_extra_server_args_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDFA_SERVER_ARGS", "--separate-object-groups --x 'a b'")
+    assert procs.extra_server_args() == ["--separate-object-groups", "--x", "a b"]
+    monkeypatch.delenv("HYBRIDFA_SERVER_ARGS")
+    assert procs.extra_server_args() == []
+
+
+def test_sigterm_kills_the_engines_and_servers_the_gate_started() -> None:
+    """`timeout` sends SIGTERM to the gate only; its children run in their own sessions, so
+    without the handler they would outlive it and hold the GPU."""
+    script = (
+        "import time; from hybridfa_gate import procs; "
+        "child = procs.spawn(['sleep', '60'], None, {'PATH': '/usr/bin:/bin'}); "
+        "procs.install_cleanup_handler(); print(child.pid, flush=True); time.sleep(60)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    os.kill(child, 0)  # running
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 124
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        # a killed child stays a zombie until its parent (gone) is reaped by init
+        if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the spawned child survived the gate's SIGTERM")
+
+
+def _one_l2_object(l2: Path) -> None:
+    (l2 / "m@0x1000000@0x0@0001.data").parent.mkdir(parents=True, exist_ok=True)
+    (l2 / "m@0x1000000@0x0@0001.data").write_bytes(b"\0" * 64)
+
+
+def test_l2_wait_gives_up_when_the_server_failed_stores(tmp_path: Path) -> None:
+    from hybridfa_gate import engine_proc
+
+    l2, log = tmp_path / "l2", tmp_path / "server1.log"
+    _one_l2_object(l2)
+    log.write_text(f"[x] LMCache ERROR: {procs.STORE_FAILED} (transfer.py:1126)\n" * 2)
+    t0 = time.monotonic()
+    got = procs.wait_l2_stable(l2, 5, timeout=60.0, quiet=0.5, server_log=log)
+    assert time.monotonic() - t0 < 10
+    assert got["objects"] == 1 and not got["stable"] and got["store_failures"] == 2
+    got = engine_proc._wait_l2(str(l2), 5, timeout=60.0, server_log=str(log))
+    assert got["waited_s"] < 10 and not got["stable"] and got["store_failures"] == 2
+    assert procs.server_log_facts(log.read_text())["store_failures"] == 2
+
+
+def test_l2_wait_keeps_waiting_for_a_healthy_server(tmp_path: Path) -> None:
+    l2, log = tmp_path / "l2", tmp_path / "server1.log"
+    _one_l2_object(l2)
+    log.write_text("[x] LMCache INFO: Stored 80 tokens in 0.001 seconds\n")
+    got = procs.wait_l2_stable(l2, 5, timeout=2.0, quiet=0.5, server_log=log)
+    assert not got["stable"] and "store_failures" not in got
+    assert procs.wait_l2_stable(l2, 1, timeout=10.0, quiet=0.5, server_log=log)["stable"]
+
+
+FAKE_ENGINE = """
+import json, sys
+from pathlib import Path
+spec, out = Path(sys.argv[1]), Path(sys.argv[2])
+tries = spec.with_suffix(".tries")
+n = int(tries.read_text()) + 1 if tries.exists() else 1
+tries.write_text(str(n))
+if n <= int(json.loads(spec.read_text())["fail_times"]):
+    print("WorkerProc failed to start. ... code: -98, name: EADDRINUSE, message: address in use")
+    sys.exit(1)
+out.write_text(json.dumps({"ok": True, "try": n}))
+"""
+
+
+def _fake_engine(monkeypatch: pytest.MonkeyPatch, path: Path, code: str) -> None:
+    path.write_text(code)
+    monkeypatch.setattr(
+        procs, "engine_command", lambda py, spec, out: [py, str(path), str(spec), str(out)]
+    )
+
+
+@pytest.mark.parametrize("fail_times,ok,attempts", [(0, True, 1), (1, True, 2), (2, False, 2)])
+def test_run_engine_starts_again_once_after_a_lost_port_race(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_times: int, ok: bool, attempts: int
+) -> None:
+    _fake_engine(monkeypatch, tmp_path / "fake_engine.py", FAKE_ENGINE)
+    res = procs.run_engine(sys.executable, {}, {"fail_times": fail_times}, tmp_path, "store", 30)
+    assert bool(res.get("ok")) is ok and res["attempts"] == attempts
+    assert (tmp_path / "store.port-race.log").exists() is (fail_times > 0)
+
+
+def test_run_engine_does_not_retry_other_failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = "import sys; print('CUDA error: invalid argument'); sys.exit(1)\n"
+    _fake_engine(monkeypatch, tmp_path / "fake_engine.py", fake)
+    res = procs.run_engine(sys.executable, {}, {}, tmp_path, "store", 30)
+    assert not res["ok"] and res["attempts"] == 1 and "invalid argument" in res["error"]
+
+
+def test_the_engine_command_runs_the_packages_engine_module() -> None:
+    cmd = procs.engine_command("python", Path("s.json"), Path("o.json"))
+    assert cmd == ["python", "-m", "hybridfa_gate.engine_proc", "s.json", "o.json"]
+    assert (REPO / "hybridfa_gate" / "engine_proc.py").is_file()

@@ -1,0 +1,91 @@
+"""A gate run (hybridfa_gate.run, report, cli) without engines."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridfa_gate import cli, run
+from hybridfa_gate.cases import Case, select_cases
+from hybridfa_gate.report import markdown_report, table_row
+
+
+def test_cold_runs_run_once_across_threads_and_skip_failures() -> None:
+    cold = run.ColdRuns()
+    calls: list[int] = []
+
+    def slow_ok() -> dict:
+        calls.append(1)
+        time.sleep(0.2)
+        return {"ok": True, "gen_s": 1.5}
+
+    got: list[dict] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(cold.get_or_run(("m", 1, "NHD", 1), slow_ok)))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and got == [{"ok": True, "gen_s": 1.5}] * 4
+    assert cold.get_or_run(("m", 2, "NHD", 1), lambda: {"ok": False})["ok"] is False
+    assert ("m", 2, "NHD", 1) not in cold.results
+
+
+def test_arm_problem(tmp_path: Path) -> None:
+    pkg = tmp_path / "lmcache"
+    v = {"lmcache_path": str(pkg), "lmcache_hybridfa": True}
+    assert run.arm_problem("patched", v, tmp_path) is None
+    assert "_hybridfa" in run.arm_problem("pristine", v, tmp_path)
+    assert "_hybridfa" in run.arm_problem("control", v, tmp_path)
+    assert "not from" in run.arm_problem("patched", v, tmp_path / "other")
+    pristine = {"lmcache_path": str(pkg), "lmcache_hybridfa": False}
+    assert run.arm_problem("control", pristine, tmp_path) is None
+
+
+def test_a_case_record_names_its_vllm_dtype_and_identity_settings() -> None:
+    (case,) = select_cases("qwen35-r5-NHD-c1N-offset-fp8e4m3-to-fp8e5m2")
+    rec = run.case_record(case, "patched")
+    assert rec["kv_cache_dtype"] == "fp8_e4m3 -> fp8_e5m2" and rec["mode"] == "miss"
+    assert rec["geometry"] == {"block_size": 144, "kernel_page": 16, "ratio": 9}
+    rec = run.case_record(Case("qwen35-r25", "NHD", 1, False, separate_groups=True), "pristine")
+    assert rec["server_args"] == ["--separate-object-groups"] and rec["kv_cache_dtype"] == "auto"
+    rec.update(vllm="0.28.0", eval={"completed": True, "pass": True, "mode": "restore"})
+    row = table_row("patched", rec)
+    assert row[2:4] == ["0.28.0", "qwen35-r25"] and row[6] == "auto" and row[-1] == "yes"
+
+
+def test_a_report_shows_an_engine_error() -> None:
+    case = Case("qwen35-r17", "HND", 2, False)
+    rec = {
+        **run.case_record(case, "patched"),
+        "eval": {"completed": False, "errors": ["store: boom"]},
+    }
+    md = markdown_report({"arm": "patched", "date": "d", "cases": [rec]})
+    assert "| patched | qwen35-r17-HND-c2N-offset | - | qwen35-r17 |" in md and "ERROR" in md
+    assert "store: boom" in md
+
+
+def test_the_slim_record_keeps_no_hashes_or_snapshots() -> None:
+    r = {
+        "ok": True,
+        "kv_hashes": [1],
+        "l2_snapshot": {},
+        "second": {"kv_hashes": [2], "tokens": [3]},
+    }
+    assert run.slim(r) == {"ok": True, "second": {"tokens": [3]}}
+
+
+def test_the_cli_lists_cases_and_refuses_what_it_cannot_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["--list", "--cases", "seed"]) == 0
+    assert "qwen35-r25-NHD-c1N-offset-sog" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["--arm", "patched", "--lmcache-dir", str(tmp_path), "--jobs", "2"])
+    with pytest.raises(SystemExit):
+        cli.main(["--cases", "nope", "--list"])
