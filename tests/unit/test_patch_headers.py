@@ -58,8 +58,12 @@ def test_header_has_a_description_and_a_true_forwarded_value(name: str) -> None:
 @pytest.mark.parametrize("name", SERIES)
 def test_header_points_only_to_earlier_patches(name: str) -> None:
     number = int(name[:4])
-    message = _header(name).split("\nDescription: ", 1)[1]
-    named = {int(n) for n in re.findall(r"\b(0\d{3})\b", message)}
+    message = " ".join(_header(name).split("\nDescription: ", 1)[1].split())
+    named = {
+        int(n)
+        for m in re.finditer(r"[Pp]atch(?:es)?((?:,? (?:and )?0\d{3}\b)+)", message)
+        for n in re.findall(r"0\d{3}", m.group(1))
+    }
     assert all(1 <= n < number for n in named), sorted(named)
 
 
