@@ -12,7 +12,9 @@ HYBRIDFA_ARM=pristine  lmcache must be pristine 0.5.3; every test marked ``fix``
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -82,3 +84,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     reason="pristine lmcache 0.5.3 has the bug this test pins",
                 )
             )
+
+
+@pytest.fixture(scope="session")
+def pristine_wheel() -> Path:
+    """The pinned pristine lmcache wheel for this Python, fetched by the factory's cache."""
+    root = REPO
+    pins = json.loads((root / "pins.json").read_text())
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    default = Path.home() / ".cache" / "lmcache-hybridfa"
+    cache = Path(os.environ.get("LMCACHE_HYBRIDFA_CACHE", default))
+    path = cache / pins["wheels"][tag]["filename"]
+    if not path.is_file():
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hybridfa_build",
+                "wheel",
+                "--no-materialize",
+                "--out",
+                str(cache / "probe"),
+            ],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+    return path

@@ -185,11 +185,11 @@ def test_marker_reports_a_clobbered_install(built: Path, tmp_path: Path) -> None
         "-c",
         "import runpy; runpy.run_module('lmcache._hybridfa', run_name='__main__')",
     ]
-    ok = subprocess.run(probe, env=env, capture_output=True, text=True, check=False)
+    ok = subprocess.run(probe, env=env, cwd=tmp_path, capture_output=True, text=True, check=False)
     assert ok.returncode == 0 and "RECORD         ok" in ok.stdout, ok.stdout + ok.stderr
     victim = target / "lmcache" / "v1" / "kv_layer_groups.py"
     victim.write_text(victim.read_text() + "\n# overwritten by another install\n")
-    bad = subprocess.run(probe, env=env, capture_output=True, text=True, check=False)
+    bad = subprocess.run(probe, env=env, cwd=tmp_path, capture_output=True, text=True, check=False)
     assert bad.returncode == 1
     assert "modified: lmcache/v1/kv_layer_groups.py" in bad.stdout
     assert "Reinstall the hybrid-FA wheel" in bad.stdout

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,32 +47,3 @@ def real_servers(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         yield factory
     finally:
         factory.close_all()
-
-
-@pytest.fixture(scope="session")
-def pristine_wheel() -> Path:
-    """The pinned pristine lmcache wheel for this Python, fetched by the factory's cache."""
-    root = Path(__file__).resolve().parents[2]
-    pins = json.loads((root / "pins.json").read_text())
-    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    default = Path.home() / ".cache" / "lmcache-hybridfa"
-    cache = Path(os.environ.get("LMCACHE_HYBRIDFA_CACHE", default))
-    path = cache / pins["wheels"][tag]["filename"]
-    if not path.is_file():
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "hybridfa_build",
-                "wheel",
-                "--no-materialize",
-                "--out",
-                str(cache / "probe"),
-            ],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert proc.returncode == 0, proc.stderr
-    return path
