@@ -11,7 +11,8 @@ from hybridfa_build import factory, patchqueue
 
 
 def _wheels(args: argparse.Namespace) -> list[Path]:
-    pins = factory.load_pins()
+    base = factory.get_base(args.base)
+    pins = base.pins()
     tags = sorted(pins.wheels) if args.all_tags else [args.tag or factory.running_tag()]
     try:
         here = factory.running_tag()
@@ -21,8 +22,10 @@ def _wheels(args: argparse.Namespace) -> list[Path]:
     for tag in tags:
         materialize = None  # install never: a tree in the checkout would shadow what it installs
         if args.command == "wheel" and not args.no_materialize and tag == here:
-            materialize = factory.ROOT / "lmcache"
-        wheel = factory.build_wheel(tag, Path(args.out), args.base_wheel, materialize, args.patches)
+            materialize = base.materialize_dir
+        wheel = factory.build_wheel(
+            tag, Path(args.out), args.base_wheel, materialize, args.patches, args.base
+        )
         print(f"built {wheel}")
         built.append(wheel)
     return built
@@ -36,6 +39,22 @@ def _install(args: argparse.Namespace) -> int:
     if rc == 0 and "--no-deps" not in extra:
         rc = subprocess.call([*pip, *extra, str(wheel)])
     return rc
+
+
+def _add_base(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--base",
+        default=factory.DEFAULT_BASE,
+        choices=factory.base_names(),
+        help=f"pristine lmcache release to patch (default: {factory.DEFAULT_BASE})",
+    )
+
+
+def _queue_dir(args: argparse.Namespace) -> Path:
+    if args.dir is not None:
+        return Path(args.dir)
+    name = "pq" if args.base == factory.DEFAULT_BASE else f"pq-{args.base}"
+    return factory.ROOT / "build" / name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,14 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(
             "--base-wheel",
             type=Path,
-            help="local pristine lmcache 0.5.3 wheel (or a folder of them): offline build",
+            help="local pristine lmcache wheel of the base (or a folder of them): offline build",
         )
+        _add_base(p)
         p.add_argument("--out", default=str(factory.ROOT / "dist"), help="output folder")
         p.add_argument(
             "--patches",
             type=Path,
-            default=factory.PATCHES_DIR,
-            help="patch folder holding a series file (default: patches/)",
+            help="patch folder holding a series file (default: the base's series, for "
+            "0.5.3 patches/, for another base bases/VERSION/patches/)",
         )
         if name == "wheel":
             p.add_argument(
@@ -83,10 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "pq", help="make a git patch-queue checkout: pristine + one commit per patch"
     )
-    p.add_argument("dir", nargs="?", default=str(factory.ROOT / "build" / "pq"))
-    p = sub.add_parser("export", help="write the patch-queue commits back to patches/")
-    p.add_argument("dir", nargs="?", default=str(factory.ROOT / "build" / "pq"))
-    sub.add_parser("sdist", help="fetch and verify the pristine sdist; print its path")
+    p.add_argument("dir", nargs="?", help="default: build/pq (0.5.3), build/pq-VERSION")
+    _add_base(p)
+    p = sub.add_parser("export", help="write the patch-queue commits back to the base's series")
+    p.add_argument("dir", nargs="?", help="default: build/pq (0.5.3), build/pq-VERSION")
+    _add_base(p)
+    p = sub.add_parser("sdist", help="fetch and verify the pristine sdist; print its path")
+    _add_base(p)
     args = parser.parse_args(argv)
     try:
         if args.command == "wheel":
@@ -94,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "install":
             return _install(args)
         elif args.command == "pq":
-            print(patchqueue.make_queue(Path(args.dir)))
+            print(patchqueue.make_queue(_queue_dir(args), base_name=args.base))
         elif args.command == "export":
-            for patch in patchqueue.export_queue(Path(args.dir)):
+            for patch in patchqueue.export_queue(_queue_dir(args), base_name=args.base):
                 print(f"wrote {patch}")
         elif args.command == "sdist":
-            print(factory.fetch_sdist(factory.load_pins()))
+            print(factory.fetch_sdist(factory.get_base(args.base).pins()))
     except factory.BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

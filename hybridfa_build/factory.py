@@ -1,8 +1,11 @@
-"""Wheel factory: pinned pristine lmcache 0.5.3 wheel + patches/series -> patched wheel.
+"""Wheel factory: a pinned pristine lmcache wheel + its patch series -> patched wheel.
 
-Fetch (pip, cached), verify sha256 against pins.json, unpack, apply the whole series or
-nothing, add the marker module, repack with a fresh RECORD and a PEP 440 local version.
+Fetch (pip, cached), verify sha256 against the base's pins, unpack, apply the whole series
+or nothing, add the marker module, repack with a fresh RECORD and a PEP 440 local version.
 Output is reproducible: fixed timestamps, sorted entries, fixed compression.
+
+Two bases: lmcache 0.5.3 (the default: pins.json, patches/, ``REVISION`` of this package)
+and lmcache 0.5.6 (bases/0.5.6/: pins.json, patches/, REVISION).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from hybridfa_build import REVISION
 ROOT = Path(__file__).resolve().parent.parent
 PINS_FILE = ROOT / "pins.json"
 PATCHES_DIR = ROOT / "patches"
+BASES_DIR = ROOT / "bases"
+DEFAULT_BASE = "0.5.3"
 MARKER_SOURCE = Path(__file__).resolve().parent / "marker.py"
 MARKER_PATH = "lmcache/_hybridfa.py"
 # 1980-01-01 is the earliest time a zip entry can carry; SOURCE_DATE_EPOCH overrides it.
@@ -42,16 +47,63 @@ class Pins:
     package: str
     version: str
     wheels: dict[str, dict[str, str]]
-    sdist: dict[str, str]
+    sdist: dict[str, str] | None
+    revision: int = REVISION
 
     @property
     def local_version(self) -> str:
-        return f"{self.version}+hybridfa.{REVISION}"
+        return f"{self.version}+hybridfa.{self.revision}"
 
 
-def load_pins(path: Path = PINS_FILE) -> Pins:
+def load_pins(path: Path = PINS_FILE, revision: int = REVISION) -> Pins:
     data = json.loads(path.read_text())
-    return Pins(data["package"], data["version"], data["wheels"], data["sdist"])
+    return Pins(data["package"], data["version"], data["wheels"], data.get("sdist"), revision)
+
+
+@dataclass(frozen=True)
+class Base:
+    """One pristine lmcache release the factory patches: its pins, series and revision."""
+
+    name: str
+    pins_file: Path
+    patches_dir: Path
+    revision_file: Path | None  # None: this package's REVISION (the 0.5.3 base)
+    materialize_dir: Path  # where ``wheel``/``install`` refresh the patched lmcache/ tree
+
+    @property
+    def revision(self) -> int:
+        if self.revision_file is None:
+            return REVISION
+        try:
+            return int(self.revision_file.read_text().strip())
+        except (OSError, ValueError) as exc:
+            raise BuildError(f"base {self.name}: no revision in {self.revision_file}") from exc
+
+    def pins(self) -> Pins:
+        pins = load_pins(self.pins_file, self.revision)
+        if pins.version != self.name:
+            raise BuildError(f"base {self.name}: {self.pins_file} pins lmcache {pins.version}")
+        return pins
+
+
+def _other_base(name: str) -> Base:
+    folder = BASES_DIR / name
+    return Base(
+        name, folder / "pins.json", folder / "patches", folder / "REVISION", folder / "lmcache"
+    )
+
+
+def base_names() -> list[str]:
+    others = sorted(p.name for p in BASES_DIR.glob("*") if (p / "pins.json").is_file())
+    return [DEFAULT_BASE, *others]
+
+
+def get_base(name: str = DEFAULT_BASE) -> Base:
+    if name == DEFAULT_BASE:
+        return Base(DEFAULT_BASE, PINS_FILE, PATCHES_DIR, None, ROOT / "lmcache")
+    if name not in base_names():
+        raise BuildError(f"unknown base {name!r}: this factory builds {', '.join(base_names())}")
+    return _other_base(name)
 
 
 def sha256_file(path: Path) -> str:
@@ -89,7 +141,7 @@ def series_digest(patches_dir: Path = PATCHES_DIR) -> str:
 def running_tag() -> str:
     if sys.platform != "linux" or platform.machine() != "x86_64":
         raise BuildError(
-            f"lmcache 0.5.3 ships wheels for Linux x86_64 only; this is "
+            f"lmcache ships wheels for Linux x86_64 only; this is "
             f"{sys.platform} {platform.machine()}"
         )
     return f"cp{sys.version_info.major}{sys.version_info.minor}"
@@ -181,6 +233,8 @@ def fetch_base_wheel(pins: Pins, tag: str, base_wheel: Path | None = None) -> Pa
 
 def fetch_sdist(pins: Pins, local: Path | None = None) -> Path:
     """Return the verified pristine sdist (for LMCache's own test suite)."""
+    if pins.sdist is None:
+        raise BuildError(f"no sdist is pinned for lmcache {pins.version}")
     if local is not None:
         return verify(local, pins.sdist["sha256"], "pristine sdist")
     cached = cache_dir() / pins.sdist["filename"]
@@ -250,7 +304,7 @@ def marker_source(pins: Pins, patches: list[Path], digest: str, tree_sha256: str
     text = MARKER_SOURCE.read_text()
     for key, value in {
         "BASE_VERSION": pins.version,
-        "REVISION": str(REVISION),
+        "REVISION": str(pins.revision),
         "VERSION": pins.local_version,
         "SERIES_SHA256": digest,
         "TREE_SHA256": tree_sha256,
@@ -332,14 +386,18 @@ def build_wheel(
     out_dir: Path,
     base_wheel: Path | None = None,
     materialize: Path | None = None,
-    patches_dir: Path = PATCHES_DIR,
+    patches_dir: Path | None = None,
+    base_name: str = DEFAULT_BASE,
 ) -> Path:
-    """Build the patched wheel for ``tag`` into ``out_dir`` and return its path.
+    """Build the patched wheel of base ``base_name`` for ``tag`` into ``out_dir``.
 
+    ``patches_dir``: a folder with a series file (default: the base's own series).
     ``materialize``: if given, that folder is replaced by the patched ``lmcache`` tree.
     Nothing is written to ``out_dir`` or ``materialize`` unless the whole build succeeds.
     """
-    pins = load_pins()
+    base_def = get_base(base_name)
+    pins = base_def.pins()
+    patches_dir = patches_dir or base_def.patches_dir
     check_tag(pins, tag)
     patches = read_series(patches_dir)
     digest = series_digest(patches_dir)

@@ -40,8 +40,9 @@ def _git(queue: Path, *args: str, env: dict[str, str] | None = None) -> str:
     return proc.stdout
 
 
-def make_queue(queue: Path, tag: str | None = None) -> Path:
-    pins = factory.load_pins()
+def make_queue(queue: Path, tag: str | None = None, base_name: str = factory.DEFAULT_BASE) -> Path:
+    base_def = factory.get_base(base_name)
+    pins = base_def.pins()
     base = factory.fetch_base_wheel(pins, tag or factory.running_tag())
     if queue.exists():
         shutil.rmtree(queue)
@@ -53,12 +54,31 @@ def make_queue(queue: Path, tag: str | None = None) -> Path:
     _git(queue, "add", "-A")
     _git(queue, "commit", "-q", "-m", f"pristine {base.name}", env=_GIT_ENV)
     _git(queue, "tag", PRISTINE_TAG)
-    for patch in factory.read_series():
+    for patch in factory.read_series(base_def.patches_dir):
         _git(queue, "am", "-q", "--keep-non-patch", str(patch))
     return queue
 
 
-def export_queue(queue: Path, patches_dir: Path = factory.PATCHES_DIR) -> list[Path]:
+def queue_version(queue: Path) -> str:
+    """The lmcache version of the pristine wheel a queue was made from."""
+    subject = _git(queue, "log", "-1", "--format=%s", PRISTINE_TAG).strip()
+    parts = subject.split("-")
+    if not subject.startswith("pristine lmcache-") or len(parts) < 2:
+        raise factory.BuildError(f"{queue}: its {PRISTINE_TAG} commit names no lmcache wheel")
+    return parts[1]
+
+
+def export_queue(
+    queue: Path, patches_dir: Path | None = None, base_name: str = factory.DEFAULT_BASE
+) -> list[Path]:
+    base_def = factory.get_base(base_name)
+    version = queue_version(queue)
+    if version != base_def.pins().version:
+        raise factory.BuildError(
+            f"{queue} is a patch queue of lmcache {version}, not of base {base_name}; "
+            f"export it with --base {version}"
+        )
+    patches_dir = patches_dir or base_def.patches_dir
     out = _git(
         queue,
         "format-patch",

@@ -1,12 +1,16 @@
 """Test arms: run our tests against the patched build (default) or the pristine base.
 
 HYBRIDFA_ARM=patched   lmcache must be our build (lmcache._hybridfa present).
-HYBRIDFA_ARM=pristine  lmcache must be pristine 0.5.3; every test marked ``fix`` is then
+HYBRIDFA_ARM=pristine  lmcache must be the pristine base; every test marked ``fix`` is then
                        a strict expected failure, and only an assertion failure counts:
                        a regression test that passes on pristine, or breaks for another
                        reason (ImportError, TypeError, ...), turns the run red.
                        A test marked ``feature`` pins what pristine lacks and is
                        skipped there.
+
+Bases: the installed lmcache's release (0.5.3 or 0.5.6) is the base under test. A test
+runs on the bases its ``bases(...)`` marker names, by default on 0.5.3 only; on another
+base it is skipped.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -45,10 +51,36 @@ def _lmcache_state() -> tuple[Path, bool] | None:
     ) is not None
 
 
+DEFAULT_BASES = ("0.5.3",)
+
+
+def _installed_base() -> str:
+    """The lmcache release installed (its version without the local +hybridfa.N)."""
+    try:
+        return metadata.version("lmcache").split("+", 1)[0]
+    except metadata.PackageNotFoundError:
+        return DEFAULT_BASES[0]
+
+
+BASE = _installed_base()
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """On a base other than 0.5.3, a test file that names no ``bases`` marker with that
+    base is not even imported: its imports may be of 0.5.3's modules."""
+    if BASE in DEFAULT_BASES or not collection_path.name.startswith("test_"):
+        return None
+    if collection_path.suffix != ".py" or not collection_path.is_file():
+        return None
+    text = collection_path.read_text()
+    named = re.search(rf"mark\.bases\([^)]*\"{re.escape(BASE)}\"", text)
+    return True if named is None else None
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     state = _lmcache_state()
     where = f"{state[0]} ({'patched' if state[1] else 'pristine'})" if state else "absent"
-    return f"hybridfa arm: {ARM}; lmcache: {where}"
+    return f"hybridfa arm: {ARM}; lmcache: {where}; base {BASE}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -71,17 +103,24 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = item.get_closest_marker("bases")
+        bases = marker.args if marker is not None else DEFAULT_BASES
+        if BASE not in bases:
+            item.add_marker(
+                pytest.mark.skip(reason=f"written for the lmcache {', '.join(bases)} base")
+            )
     if ARM != "pristine":
         return
     for item in items:
         if item.get_closest_marker("feature") is not None:
-            item.add_marker(pytest.mark.skip(reason="pristine lmcache 0.5.3 lacks this feature"))
+            item.add_marker(pytest.mark.skip(reason=f"pristine lmcache {BASE} lacks this feature"))
         if item.get_closest_marker("fix") is not None:
             item.add_marker(
                 pytest.mark.xfail(
                     strict=True,
                     raises=(AssertionError, pytest.fail.Exception),
-                    reason="pristine lmcache 0.5.3 has the bug this test pins",
+                    reason=f"pristine lmcache {BASE} has the bug this test pins",
                 )
             )
 

@@ -16,4 +16,16 @@ z.extractall(sys.argv[2], [n for n in z.namelist() if not n.endswith(".so")])' "
   rm -rf "$DIR.whl"
   touch "$DIR/.done"
 fi
+# Pure-Python modules that later vLLMs import at module level and the venv (made for
+# vLLM 0.26.0) lacks go into the overlay folder too.
+if [ ! -f "$DIR/.extras-done" ]; then
+  for PKG in partial-json-parser; do
+    MOD=${PKG//-/_}
+    if grep -qi "^Requires-Dist: $PKG" "$DIR"/vllm-*.dist-info/METADATA \
+      && ! "$PY" -c "import $MOD" 2>/dev/null; then
+      "$PY" -m pip install -q --no-deps --no-compile --target "$DIR" "$PKG" >&2
+    fi
+  done
+  touch "$DIR/.extras-done"
+fi
 echo "$DIR"

@@ -24,6 +24,8 @@ from vllm_sched_fakes import (
     make_kv_cache_config,
 )
 
+pytestmark = pytest.mark.bases("0.5.3", "0.5.6")
+
 SPEC_BLOCKS = [0, 1, 2]
 
 
@@ -98,7 +100,8 @@ def test_stores_skip_null_chunks_and_store_each_chunk_once(
 def test_tracked_ids_follow_vllm_after_partial_prefix_cache_hit(
     monkeypatch: pytest.MonkeyPatch, num_spec_blocks: int
 ) -> None:
-    """A second request hits 2.5 blocks of the first one's prefix (copy-on-write tail)."""
+    """A second request hits 2.5 blocks of the first one's prefix (copy-on-write tail);
+    from vLLM 0.33 the scheduler floors that hit to 2 blocks."""
     config = make_kv_cache_config(num_spec_blocks)
     driver = SchedDriver(config, make_connector(config, BLOCK, monkeypatch), BLOCK // 2)
     prompt = list(range(5 * BLOCK // 2))
@@ -107,7 +110,8 @@ def test_tracked_ids_follow_vllm_after_partial_prefix_cache_hit(
     driver.finish("a")
     driver.add_request("b", prompt + [9] * (7 * BLOCK // 2))
     first = driver.step({"b": BLOCK // 2})
-    assert driver.requests["b"].num_computed_tokens == 3 * BLOCK, "expected a 2.5-block hit"
+    hit = driver.requests["b"].num_computed_tokens - BLOCK // 2
+    assert hit in (5 * BLOCK // 2, 2 * BLOCK), "expected a 2.5- or 2-block hit"
     _check_step(driver, "b", first, 0)
     _run(driver, "b", [BLOCK, 2 * BLOCK, BLOCK])
 

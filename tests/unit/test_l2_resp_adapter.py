@@ -15,6 +15,8 @@ pytest.importorskip("lmcache.v1.distributed.l2_adapters.resp_l2_adapter")
 from fs_l2_driver import Buf, wait_for  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 
+pytestmark = pytest.mark.bases("0.5.3", "0.5.6")
+
 SIZES = [4096, 1024, 4096, 1024, 4096, 1024]  # object groups 0 and 1 of three chunks
 
 

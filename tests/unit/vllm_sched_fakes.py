@@ -10,14 +10,15 @@ fake ``LMCacheMPSchedulerAdapter`` (no server) and a duck-typed ``VllmConfig``.
 running requests: ``allocate_slots`` and ``cached_reqs.new_block_ids`` = the returned
 blocks; waiting / preempted requests: local hit, ``get_num_new_matched_tokens``,
 ``allocate_slots``, ``update_state_after_alloc(request, get_blocks(id), ext)``, then a new
-request (or a resumed one: ``resumed_req_ids``, ``new_block_ids`` = the whole table).
+request (or a resumed one: ``resumed_req_ids``, ``new_block_ids`` = the whole table; from
+vLLM 0.34 a resumed request is a new request again).
 The driver picks each step's token counts itself (as ``_mamba_block_aligned_split``
 would, with any ``max_num_batched_tokens``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,6 +36,8 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     get_request_block_hasher,
     init_none_hash,
 )
+from vllm.v1.core.sched.output import CachedRequestData  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -44,6 +47,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 import lmcache.integration.vllm.lmcache_mp_connector as mpc  # noqa: E402
+
+# vLLM 0.34 re-sends a resumed request in scheduled_new_reqs and drops resumed_req_ids.
+RESUMED_AS_NEW = "resumed_req_ids" not in {f.name for f in fields(CachedRequestData)}
 
 BLOCK = 16  # tokens per block (FA and Mamba share it in align mode)
 NULL_BLOCK_ID = 0  # vLLM's BlockPool.null_block
@@ -122,14 +128,20 @@ class FakeSchedulerAdapter:
 
 def _fake_vllm_config(max_num_batched_tokens: int, mamba: bool) -> Any:
     extra: dict[str, Any] = {}
+    # lmcache 0.5.6's connector also reads is_kv_producer, the prefix-caching switch and
+    # the decode-context-parallel sizes.
     return SimpleNamespace(
         cache_config=SimpleNamespace(
-            block_size=BLOCK, mamba_cache_mode="align" if mamba else "none"
+            block_size=BLOCK,
+            mamba_cache_mode="align" if mamba else "none",
+            enable_prefix_caching=True,
         ),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=max_num_batched_tokens),
         kv_transfer_config=SimpleNamespace(
             kv_connector_extra_config=extra,
             get_from_extra_config=lambda key, default: extra.get(key, default),
+            is_kv_producer=True,
+            is_kv_consumer=True,
         ),
         parallel_config=SimpleNamespace(
             world_size=1,
@@ -137,8 +149,13 @@ def _fake_vllm_config(max_num_batched_tokens: int, mamba: bool) -> Any:
             tensor_parallel_size=1,
             pipeline_parallel_size=1,
             data_parallel_size=1,
+            data_parallel_rank=0,
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=1,
         ),
         model_config=SimpleNamespace(model="tiny-hybrid", use_mla=False, is_hybrid=mamba),
+        speculative_config=None,
+        kv_events_config=None,
     )
 
 
@@ -214,6 +231,11 @@ class SchedDriver:
         return req
 
     def _local_hit(self, req: Request) -> tuple[Any, int]:
+        local_hit = getattr(Scheduler, "_get_local_prefix_cache_hit", None)
+        if local_hit is not None:  # vLLM >= 0.29: the scheduler's own lookup
+            sched = SimpleNamespace(connector=self.connector, kv_cache_manager=self.manager)
+            blocks, hit, *_ = local_hit(sched, req)
+            return blocks, hit
         coordinator = self.manager.coordinator
         if isinstance(coordinator, HybridKVCacheCoordinator):
             # Scheduler.schedule's connector + Mamba path.
@@ -261,7 +283,7 @@ class SchedDriver:
                 assert blocks is not None, "test pool too small"
                 self.connector.update_state_after_alloc(req, self.manager.get_blocks(req_id), ext)
                 self.reported[req_id] = self.vllm_table(req_id)
-                if req.status == RequestStatus.PREEMPTED:
+                if req.status == RequestStatus.PREEMPTED and not RESUMED_AS_NEW:
                     resumed.add(req_id)
                     cached_ids.append(req_id)
                     new_block_ids.append(
@@ -273,13 +295,12 @@ class SchedDriver:
                 req.num_computed_tokens = local + ext
                 self.running.add(req_id)
             scheduled[req_id] = n
+        cached = SimpleNamespace(req_ids=cached_ids, new_block_ids=new_block_ids)
+        if not RESUMED_AS_NEW:
+            cached.resumed_req_ids = resumed
         output = SimpleNamespace(
             scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=SimpleNamespace(
-                req_ids=cached_ids,
-                resumed_req_ids=resumed,
-                new_block_ids=new_block_ids,
-            ),
+            scheduled_cached_reqs=cached,
             num_scheduled_tokens=scheduled,
             preempted_req_ids=set(),
         )
