@@ -1,13 +1,7 @@
 """The fs L2 adapter reads the objects of one load task concurrently.
 
 A restore's prefetch is one load task over every chunk of the prompt. Pristine 0.5.3 reads them
-<<<<<<< HEAD
 one file after another, so the disk idles between two reads (bench/fs_l2_read.py measures it).
-=======
-one file after another, and with patch 0006's trailer check each file's hash ran on the event
-loop between two reads, so the disk idled while the CPU hashed: on an H200 machine the prefetch
-reached 1.1 GB/s of the disk's 1.96 (bench/fs_l2_read.py has the CPU-side study).
->>>>>>> harness
 """
 
 from __future__ import annotations

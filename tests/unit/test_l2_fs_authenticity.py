@@ -1,7 +1,7 @@
 """Whoever can write the fs L2 folder cannot change what a server restores.
 
 Each object file ends with a tag keyed by the L2 tier's secret (a file only the server's
-user can read). Patch 0006's trailer was an unkeyed blake3 digest of the payload and the
+user can read). Revision 14's trailer was an unkeyed blake3 digest of the payload and the
 file name: anyone who can write the folder can compute it for a payload of their own, and
 pristine 0.5.3 checks nothing at all. A file whose tag does not verify is a miss, is
 logged, and stays on disk until this server stores its key again: a server holding
@@ -42,7 +42,7 @@ def object_file(base: Path) -> Path:
 
 
 def unkeyed_trailer(payload: bytes, name: str) -> bytes:
-    """Patch 0006's trailer, as anyone who can write the folder computes it."""
+    """Revision 14's unkeyed trailer, as anyone who can write the folder computes it."""
     import blake3
 
     return b"LMCHFA1\x00" + blake3.blake3(payload + name.encode()).digest()

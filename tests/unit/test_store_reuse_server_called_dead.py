@@ -1,9 +1,9 @@
 """A block is written again only after the stores that read it, whatever the heartbeat says
-(patch 0022, with patch 0010's health flag).
+(the heartbeat's health flag no longer decides it).
 
 The worker's heartbeat calls the LMCache server dead when a PING goes unanswered for one
 interval. A server whose CPU pool is busy is called dead that way (PING runs on that pool),
-yet it still copies the stores it was sent, later. Patch 0022 as first written skipped its
+yet it still copies the stores it was sent, later. Revision 14 skipped its
 store-before-reuse ordering for a server called dead, and on that flag get_finished also
 forgot the stores in flight: a block freed (mid-request in align mode, or at the request's
 end) went to another request, whose forward wrote it before the server's copy, and the chunk
