@@ -97,7 +97,7 @@ def test_python_m_pytest_from_the_checkout_root_tests_the_installed_wheel(instal
     out = _pytest_gpu(checkout, py, env)
     venv = py.parent.parent
     header = next(line for line in out.splitlines() if line.startswith("hybridfa arm:"))
-    assert f"lmcache: {venv}" in header and header.endswith("(patched)"), header
+    assert f"lmcache: {venv}" in header and "(patched)" in header, header
     assert "materialized" not in out
     assert "GPU restart gate" in out  # collected, then skipped: this machine has no GPU
 
