@@ -236,7 +236,11 @@ def test_redis_evicting_under_maxmemory_restores_exactly_or_misses(resp_servers,
     assert redis_info(redis, "evicted_keys") > 0, "redis evicted nothing: raise the load"
     # Reads grow Redis' output buffers, so it may evict a key between a lookup and its
     # load: a miss (0.5.3's client waited forever on it, test_l2_resp_vanished_key.py).
-    restored = [restore_compared(resp_servers, l2, RESP, a.kv, prompt=prompt) for prompt in prompts]
+    # Newest first: LRU keeps the last prompt's keys longest, and a read of an older prompt's
+    # surviving keys may evict them.
+    restored = [
+        restore_compared(resp_servers, l2, RESP, a.kv, prompt=prompt) for prompt in prompts[::-1]
+    ]
     # restore_compared has compared every restored byte; some prefixes survived
     assert sum(restored) > 0, "nothing survived the eviction: lower the load"
 
