@@ -21,8 +21,10 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -152,3 +154,28 @@ def pristine_wheel() -> Path:
         )
         assert proc.returncode == 0, proc.stderr
     return path
+
+
+@pytest.fixture
+def redis(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """A real redis-server on a free port in the test's temp folder, without persistence
+    (hybridfa_gate.l2's, which the restart gate uses too); a test marked
+    ``redis_maxmemory("2mb")`` gets one that evicts (``allkeys-lru``). Without a
+    redis-server binary ($REDIS_SERVER or PATH) the test skips, saying so."""
+    from hybridfa_gate.l2 import RedisServer, redis_server_binary
+
+    binary = redis_server_binary()
+    if binary is None:
+        pytest.skip(
+            "redis-server not found ($REDIS_SERVER or PATH): the resp L2 tier is not tested; "
+            "install it (Debian: apt-get install redis-server)"
+        )
+    marker = request.node.get_closest_marker("redis_maxmemory")
+    server = RedisServer(
+        binary, workdir=tmp_path / "redis", maxmemory=marker.args[0] if marker else None
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()

@@ -14,21 +14,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from factory_cli import ROOT, TAG, factory
 
-ROOT = Path(__file__).resolve().parents[2]
 PINS = json.loads((ROOT / "pins.json").read_text())
-TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
-
-
-def factory(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hybridfa_build", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        check=False,
-    )
 
 
 @pytest.fixture(scope="module")

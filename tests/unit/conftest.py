@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_server import redis  # noqa: F401 - the fixture
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -355,7 +355,7 @@ def _l2_counter(l2_dir: Path, resp_port: int | None) -> Callable[[], int]:
     """Counts the objects of the L2 tier: complete files in the folder, or redis keys."""
     if resp_port is None:
         return lambda: len(list(l2_dir.glob("*.data")))
-    from redis_server import RespClient
+    from hybridfa_gate.l2 import RespClient
 
     def dbsize() -> int:
         with RespClient(resp_port) as client:

@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.resp_l2_adapter")
 
 from fs_l2_driver import Buf, wait_for  # noqa: E402
-from redis_server import RedisServer  # noqa: E402
+
+from hybridfa_gate.l2 import RedisServer  # noqa: E402
 
 pytestmark = pytest.mark.bases("0.5.3", "0.5.6")
 

@@ -23,7 +23,9 @@ import pytest
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.resp_l2_adapter")
 
 from fs_l2_driver import Buf  # noqa: E402
-from redis_server import RedisServer, l2_tiers  # noqa: E402
+
+from hybridfa_gate import l2 as l2_tiers  # noqa: E402
+from hybridfa_gate.l2 import RedisServer  # noqa: E402
 
 SIZE = 16 << 10
 

@@ -22,7 +22,8 @@ import pytest
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.resp_l2_adapter")
 
 from fs_l2_driver import Buf  # noqa: E402
-from redis_server import RedisServer  # noqa: E402
+
+from hybridfa_gate.l2 import RedisServer  # noqa: E402
 
 SIZE = 64 << 10
 WORKERS = 2

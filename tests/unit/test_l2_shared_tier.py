@@ -25,7 +25,6 @@ pytest.importorskip("lmcache.v1.distributed.l2_adapters.resp_l2_adapter")
 
 import restore_server  # noqa: E402
 from hybrid_kv import GDNState, build_hybrid_kv  # noqa: E402
-from redis_server import RedisServer  # noqa: E402
 from restore_server import (  # noqa: E402
     BASE,
     BLOCKS,
@@ -38,6 +37,8 @@ from restore_server import (  # noqa: E402
     store_ids,
     tokens,
 )
+
+from hybridfa_gate.l2 import RedisServer  # noqa: E402
 
 ADAPTERS = ["fs", "resp"]
 

@@ -8,29 +8,16 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from factory_cli import ROOT, TAG, factory
 
-ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "bases" / "0.5.6"
 PINS = json.loads((BASE / "pins.json").read_text())
-TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
 CACHE = Path(os.environ.get("LMCACHE_HYBRIDFA_CACHE", Path.home() / ".cache" / "lmcache-hybridfa"))
 REVISION = int((BASE / "REVISION").read_text())
-
-
-def factory(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hybridfa_build", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        check=False,
-    )
 
 
 @pytest.fixture(scope="module")
