@@ -198,6 +198,12 @@ def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         kw["kv_cache_memory_bytes"] = int(spec["kv_cache_memory_bytes"])
     if spec.get("kv_cache_dtype"):
         kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
+        flashinfer = kw["attention_config"]["backend"] == "FLASHINFER"
+        if spec["kv_cache_dtype"] == "fp8_e5m2" and flashinfer:
+            # vLLM's FlashInfer backend quantizes the query to e4m3 whatever the KV format and
+            # then plans for an e5m2 query: the first prefill raises (vLLM 0.27.1 on SM90). A
+            # bf16 query is what its own option for this offers; the KV cache is unchanged.
+            kw["attention_config"]["disable_flashinfer_q_quantization"] = True
     if lora := spec.get("lora"):
         kw.update(enable_lora=True, max_lora_rank=int(lora["max_lora_rank"]))
         kw["max_loras"] = max(1, len(lora["adapters"]))

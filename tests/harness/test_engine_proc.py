@@ -194,5 +194,15 @@ def test_llm_kwargs_take_the_kv_cache_dtype_and_the_lora_settings() -> None:
     assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, 8, 2)
 
 
+def test_an_e5m2_cache_under_flashinfer_keeps_a_bf16_query() -> None:
+    pytest.importorskip("vllm")
+    kw = engine_proc.llm_kwargs(_spec(kv_cache_dtype="fp8_e5m2"))
+    assert kw["attention_config"]["disable_flashinfer_q_quantization"] is True
+    others = ({"kv_cache_dtype": "fp8_e4m3"}, {"attention_backend": "FLASH_ATTN"})
+    for extra in others:
+        kw = engine_proc.llm_kwargs(_spec(**{"kv_cache_dtype": "fp8_e5m2", **extra}))
+        assert "disable_flashinfer_q_quantization" not in kw["attention_config"]
+
+
 def test_a_spec_without_adapters_has_no_lora_requests() -> None:
     assert engine_proc.lora_requests(_spec()) == {}
