@@ -179,7 +179,9 @@ def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         "skip_tokenizer_init": True,
         "load_format": "dummy",
         "dtype": "bfloat16",
-        "enforce_eager": True,
+        # The gate runs eager; the bench's default arm runs CUDA graphs and compilation as
+        # vLLM defaults them (``"enforce_eager": false``).
+        "enforce_eager": bool(spec.get("enforce_eager", True)),
         "seed": 0,
         "gpu_memory_utilization": spec["gpu_memory_utilization"],
         "max_model_len": spec["max_model_len"],
