@@ -1,20 +1,19 @@
-"""The restore bench's results: the LMCache server log it reads the restores' L2 bytes and
-copy rates from, the disk bound, the report (JSON, markdown, plots)."""
+"""The restore bench's results: the LMCache server log it reads each restore's L2 objects from,
+the merge of the pieces, each restore against its floor, the report (JSON, markdown, plots)."""
 
 from __future__ import annotations
 
 import datetime as _dt
-import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from bench.floor import GB, floor_s, spread
 from hybridfa_gate.report import fmt, md_table, write_json_md
 
-GB = 1e9
-SCHEMA = "hybridfa-bench-gpu/2"
+SCHEMA = "hybridfa-bench-gpu/3"
 MAIN_MODEL = "qwen35-9b"  # drawn with solid lines
 ARMS = ("cold", "default", "pagecache", "offloading", "lmcache056")
 
@@ -36,65 +35,19 @@ def offloading_transfer_config(root: Path, cpu_bytes: int, engine_id: str) -> di
 
 
 _TS = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]"
-_WINDOW = re.compile(
-    _TS + r"[^\n]*?L0<->L1 stats \[[^\]]+\] last ([0-9.]+)s: store [^|\n]*\| retrieve "
-    r"ops=(\d+) tokens=(\d+) size=([0-9.]+)GB avg_copy=(?:([0-9.]+)GB/s|n/a)"
-)
 _PREFETCH = re.compile(
     _TS + r"[^\n]*?Prefetch request completed[^:\n]*: \d+/\d+ retained keys \((\d+) L1, (\d+) L2\)"
 )
 
 
 def parse_server_log(text: str) -> dict[str, list[dict[str, Any]]]:
-    """windows: --enable-extra-logging's retrieve side (copies LMCache timed on the CUDA stream,
-    ended in (t0, t1]); prefetch: each prefetch line's L1 / L2 objects. Times: epochs."""
+    """prefetch: each ``Prefetch request completed`` line's L1 / L2 objects, at its epoch."""
 
     def epoch(day: str, ms: str) -> float:
         return time.mktime(time.strptime(day, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1e3
 
-    windows = [
-        {
-            "t0": epoch(d, ms) - float(last),
-            "t1": epoch(d, ms),
-            "ops": int(ops),
-            "bytes": float(gb) * GB,
-            "tokens": int(tok),
-            "gbps": float(rate) if rate else None,
-        }
-        for d, ms, last, ops, tok, gb, rate in _WINDOW.findall(text)
-    ]
     found = _PREFETCH.findall(text)
-    return {
-        "windows": windows,
-        "prefetch": [{"t": epoch(d, ms), "l1": int(a), "l2": int(b)} for d, ms, a, b in found],
-    }
-
-
-def timed_h2d(windows: Sequence[dict[str, Any]], restores: Sequence[tuple[Any, int]]) -> list[Any]:
-    """Stream-timed H2D GB/s per restore ((span, hit tokens) in time order, warm-up included).
-    A copy window goes to the earliest restore whose span it overlaps and whose hit it has not
-    covered; a rate needs windows that cover the hit and hold no other restore's copies."""
-    acc = [{"tokens": 0, "bytes": 0.0, "s": 0.0, "mixed": False} for _ in restores]
-    for w in (w for w in windows if w["ops"]):
-        need = [
-            i
-            for i, (sp, hit) in enumerate(restores)
-            if sp and w["t0"] < sp[1] and w["t1"] >= sp[0] and acc[i]["tokens"] < hit
-        ]
-        if not need:
-            continue
-        a = acc[need[0]]
-        if a["tokens"] + w["tokens"] > restores[need[0]][1]:  # holds the next restore's copies
-            for b in acc[need[0] : need[0] + 2]:
-                b["mixed"] = True
-        a["tokens"] += w["tokens"]
-        a["bytes"] += w["bytes"]
-        a["s"] += w["bytes"] / (w["gbps"] * GB) if w["gbps"] else math.inf
-    good = [
-        h and not a["mixed"] and a["tokens"] >= h and 0 < a["s"] < math.inf
-        for a, (_, h) in zip(acc, restores, strict=True)
-    ]
-    return [a["bytes"] / a["s"] / GB if ok else None for a, ok in zip(acc, good, strict=True)]
+    return {"prefetch": [{"t": epoch(d, ms), "l1": int(a), "l2": int(b)} for d, ms, a, b in found]}
 
 
 def l2_read_bytes(l2: int, hit: int, chunk: int, group_means: dict[str, float], fa: int) -> Any:
@@ -110,178 +63,210 @@ def l2_read_bytes(l2: int, hit: int, chunk: int, group_means: dict[str, float], 
     return n_fa * group_means[fa_group] + (l2 - n_fa) * sum(others) / len(others)
 
 
-def bound_of(row: dict[str, Any]) -> dict[str, Any] | None:
-    """Read ``row``'s bytes at the disk's (pagecache: page cache's) rate, copy at pinned H2D."""
-    rates, cached, nbytes = row.get("rates") or {}, row["arm"] == "pagecache", row.get("read_bytes")
-    read = rates.get("page_cache_read_gbps" if cached else "disk_read_gbps")
-    h2d, restore = rates.get("pinned_h2d_gbps"), row.get("restore_ttft_s")
-    if not (nbytes and read and h2d and restore):
-        return None
-    bound = nbytes / (read * GB) + nbytes / (h2d * GB)
-    return {
-        "read_bytes": nbytes,
-        "read_from": "page cache" if cached else "disk",
-        "read_gbps": read,
-        "pinned_h2d_gbps": h2d,
-        "bound_s": bound,
-        "restore_s": restore,
-        "restore_over_bound": restore / bound,
-        "bound_over_restore": bound / restore,
-    }
-
-
 def object_group_means(inventory: dict[str, Any]) -> dict[str, float]:
     """Mean object bytes per object group of an L2 inventory (``l2.tier_inventory``)."""
     groups = inventory.get("per_object_group") or {}
     return {og: g["bytes"] / g["objects"] for og, g in groups.items() if g.get("objects")}
 
 
-def row_key(model: str, p: int, arm: str) -> str:
-    return f"{model}:{p}:{arm}"
+def sort_key(r: dict[str, Any]) -> tuple[str, int, int, str]:
+    return r["model"], r["prompt_tokens"], ARMS.index(r["arm"]), r["mode"]
 
 
-def sort_key(r: dict[str, Any]) -> tuple[str, int, int]:
-    return r["model"], r["prompt_tokens"], ARMS.index(r["arm"])
+def merge_pieces(pieces: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """One results dict from pieces (bench.gpu_restore piece files): each piece's rows carry
+    its run (machine, versions, read ceiling); a row measured again by a later piece wins."""
+    res: dict[str, Any] = {"schema": SCHEMA, "created": _dt.date.today().isoformat()}
+    res.update(runs=[], rows={})
+    for piece in sorted(pieces, key=lambda x: str(x["run"].get("started"))):
+        run = {"piece": piece["piece"], **piece["run"]}
+        res["runs"].append(run)
+        for key, row in piece["rows"].items():
+            res["rows"][key] = {**row, "piece": piece["piece"], "ceiling": run.get("ceiling")}
+    summarize(res)
+    return res
 
 
 def summarize(results: dict[str, Any]) -> None:
-    """Rows' cold TTFT, speedup, disk bound; the top-level views and findings."""
-    rows, ordered = results["rows"], sorted(results["rows"].values(), key=sort_key)
-    for r in (r for r in ordered if r["arm"] != "cold"):
-        cold = rows.get(row_key(r["model"], r["prompt_tokens"], "cold")) or {}
-        r["cold_ttft_s"], ttft = cold.get("cold_ttft_s"), r.get("restore_ttft_s")
-        r["speedup"] = r["cold_ttft_s"] / ttft if r["cold_ttft_s"] and ttft else None
-        r["disk_bound"] = bound_of(r)
-    keep = (
-        "model",
-        "prompt_tokens",
-        "ok",
-        "cold_ttft_s",
-        "restore_ttft_s",
-        "speedup",
-        "hit_tokens",
-        "read_bytes",
-        "h2d_gbps",
-        "correct",
-        "errors",
-    )
-    results["default"] = [{k: r.get(k) for k in keep} for r in ordered if r["arm"] == "default"]
-    results["offloadingconnector"] = {
-        "kv_transfer_config": offloading_transfer_config(Path("ROOT_DIR"), 0, "ENGINE_ID"),
-        "rows": [{k: r.get(k) for k in keep} for r in ordered if r["arm"] == "offloading"],
-    }
-    results["disk_bound"] = {
-        "definition": "L2 bytes read / sequential read rate + the same bytes / pinned H2D rate",
-        "rows": [
-            {"arm": r["arm"], **{k: r[k] for k in keep[:2]}, **r["disk_bound"]}
-            for r in ordered
-            if r.get("disk_bound")
-        ],
-    }
-    results["findings"] = [f for r in ordered for f in r.get("findings") or []]
+    """Per row: spreads of the proven, correct restores and of the colds, the fixed cost, each
+    restore's floor; the speedups against the colds of the same engine and of the cold arm."""
+    rows = results["rows"]
+    for r in rows.values():
+        ceiling = r.get("ceiling") or {}
+        gbps = ceiling.get("page_cache_gbps" if r["arm"] == "pagecache" else "disk_gbps")
+        good = [x for x in r.get("restores") or [] if x.get("proven") and x.get("correct")]
+        r["fixed_s"] = spread(x.get("fixed_s") for x in r.get("restores") or [])["median"]
+        for x in r.get("restores") or []:
+            x["floor_bytes"] = (
+                x.get("object_bytes") if r["arm"] == "pagecache" else x.get("io_read_bytes")
+            )
+            x["floor_s"] = floor_s(x["floor_bytes"], gbps, r["fixed_s"])
+            ttft = x.get("ttft_s")
+            x["floor_over_restore"] = x["floor_s"] / ttft if x["floor_s"] and ttft else None
+        r["restore_ttft"] = spread(x["ttft_s"] for x in good)
+        r["floor_over_restore"] = spread(x["floor_over_restore"] for x in good)
+        r["read_bytes"] = spread(x.get("floor_bytes") for x in good)["median"]
+        r["restores_counted"] = f"{len(good)} of {len(r.get('restores') or [])}"
+        r["cold_ttft"] = spread(r.get("colds_in_engine") or [])
+        cold = rows.get(f"{r['model']}:{r['prompt_tokens']}:cold:{r['mode']}") or {}
+        no_conn = spread(cold.get("colds_in_engine") or [])["median"]
+        med = r["restore_ttft"]["median"]
+        r["speedup"] = r["cold_ttft"]["median"] / med if med and r["cold_ttft"]["median"] else None
+        r["speedup_vs_no_connector"] = no_conn / med if med and no_conn else None
+    results["findings"] = [f for r in sorted(rows.values(), key=sort_key) for f in r["findings"]]
 
 
-_f = fmt
+def _verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("**met**" if ok else "**missed**")
+
+
+def targets(results: dict[str, Any]) -> list[str]:
+    """bench/README.md's targets, evaluated on the CUDA-graph rows of the main model."""
+    rows = {
+        (r["prompt_tokens"], r["arm"]): r
+        for r in results["rows"].values()
+        if r["model"] == MAIN_MODEL and r["mode"] == "graphs"
+    }
+
+    def med(p: int, arm: str) -> float | None:
+        return (rows.get((p, arm)) or {}).get("restore_ttft", {}).get("median")
+
+    def exact(p: int, arm: str) -> bool:
+        r = rows.get((p, arm)) or {}
+        return bool(r.get("restores")) and all(x.get("correct") for x in r["restores"])
+
+    out = []
+    for p in (26624, 65536, 131072):
+        f = ((rows.get((p, "default")) or {}).get("floor_over_restore") or {}).get("median")
+        out.append(
+            f"- disk restore >= 0.9 of its floor at {p}: "
+            f"{_verdict(None if f is None else f >= 0.9)} ({fmt(f)})"
+        )
+    for p in sorted({p for p, _ in rows}):
+        ours = med(p, "default") if exact(p, "default") else None
+        for peer in ("offloading", "lmcache056"):
+            theirs = med(p, peer)
+            ok = None if ours is None or theirs is None else ours < theirs
+            out.append(
+                f"- faster than {peer} at {p} (exact KV): {_verdict(ok)} "
+                f"({fmt(ours)} s vs {fmt(theirs)} s)"
+            )
+    for p, arm, x in ((26624, "pagecache", 15), (131072, "default", 6)):
+        s = (rows.get((p, arm)) or {}).get("speedup")
+        out.append(
+            f"- {arm} >= {x}x the cold at {p}: "
+            f"{_verdict(None if s is None else s >= x)} ({fmt(s)}x)"
+        )
+    return out
+
+
 HEADER = (
-    "model | prompt | arm | hit | cold | restore (n) | speedup | cold in engine | L2 GB read"
-    " | H2D GB/s (timed) | bound s | bound/restore | page cache | KV bytes | tokens | errors"
+    "model | prompt | arm | mode | hit | cold median (min-max) | restore median (min-max)"
+    " | counted | speedup | vs no-connector cold | GB read | fixed s | floor/restore median (min)"
+    " | KV exact | errors"
 )
+
+
+def _sp(s: dict[str, Any] | None) -> str:
+    s = s or {}
+    return f"{fmt(s.get('median'))} ({fmt(s.get('min'))}-{fmt(s.get('max'))})"
 
 
 def markdown_report(results: dict[str, Any]) -> str:
     runs = results.get("runs") or [{}]
-    run = runs[-1]
-    lines = [
-        f"# GPU restore bench ({results.get('created')})",
-        "",
-        f"- runs: {', '.join(str(r.get('started')) for r in runs)} (the last one's machine below)",
-        f"- hardware: {run.get('hardware')}",
-        f"- versions: {run.get('versions')}",
-        f"- L2 filesystem: {run.get('l2_fs')}; /dev/shm free GB: {run.get('dev_shm_gb')}",
-        f"- probed rates (GB/s): {run.get('rates')}",
-        "",
-        "TTFT s, medians; cold in engine: the restore engine's colds, in turn.",
-    ]
-    rows = []
+    lines = [f"# GPU restore bench ({results.get('created')})", ""]
+    for run in runs:
+        c = run.get("ceiling") or {}
+        lines.append(
+            f"- {run.get('piece')} ({run.get('started')}): disk ceiling {fmt(c.get('disk_gbps'))}"
+            f" GB/s, page cache {fmt(c.get('page_cache_gbps'))} GB/s, disk plan "
+            f"{run.get('disk_plan')}"
+        )
+    lines += [f"- hardware: {runs[-1].get('hardware')}", f"- versions: {runs[-1].get('versions')}"]
+    lines += ["", "TTFT s. Floor = bytes read / read ceiling + the engine's fixed cost after the"]
+    lines += ["hit; counted: restores whose source is proven and whose KV bytes are exact.", ""]
+    table = []
     for r in sorted(results["rows"].values(), key=sort_key):
-        b, pc, gb = r.get("disk_bound") or {}, r.get("page_cache") or {}, r.get("read_bytes")
-        cache = {True: "dropped", False: "kept"}.get(pc.get("dropped"), "-")
-        cache += f" ({_f(pc.get('resident_fraction'), 2)} resident)" if pc else ""
-        row = [
-            r["model"],
-            r["prompt_tokens"],
-            r["arm"],
-            r.get("hit_tokens"),
-            r.get("cold_ttft_s"),
-            f"{_f(r.get('restore_ttft_s'))} ({len(r.get('restores') or [])})",
-            r.get("speedup"),
-            r.get("cold_in_engine_s"),
-            gb / GB if gb else None,
-            f"{_f(r.get('h2d_gbps'))} ({r.get('h2d_timed', 0)})",
-            b.get("bound_s"),
-            b.get("bound_over_restore"),
-            cache,
-            (r.get("kv") or {}).get("match"),
-            r.get("tokens_match"),
-            "; ".join(r.get("errors") or [])[:200],
-        ]
-        rows.append(row)
-    lines += ["", *md_table(HEADER.split(" | "), rows)]
+        hits = {x.get("hit_tokens") for x in r.get("restores") or []}
+        ratio = r.get("floor_over_restore") or {}
+        table.append(
+            [
+                r["model"],
+                r["prompt_tokens"],
+                r["arm"],
+                r["mode"],
+                ",".join(map(str, sorted(h for h in hits if h is not None))) or None,
+                _sp(r.get("cold_ttft")),
+                _sp(r.get("restore_ttft")),
+                r.get("restores_counted"),
+                r.get("speedup"),
+                r.get("speedup_vs_no_connector"),
+                r["read_bytes"] / GB if r.get("read_bytes") else None,
+                r.get("fixed_s"),
+                f"{fmt(ratio.get('median'))} ({fmt(ratio.get('min'))})",
+                all(x.get("kv_match") for x in r["restores"]) if r.get("restores") else None,
+                "; ".join(r.get("errors") or [])[:200],
+            ]
+        )
+    lines += md_table(HEADER.split(" | "), table)
+    lines += ["", "## Targets (bench/README.md)", "", *targets(results)]
     found = [
-        f"- {f['model']} {f['prompt_tokens']} {f['arm']}: {f['what'][:600]}"
+        f"- {f['model']} {f['prompt_tokens']} {f['arm']} {f['mode']}: {f['what'][:600]}"
         for f in results.get("findings") or []
     ]
     return "\n".join(lines + ["", "## Findings", "", *(found or ["- none"])]) + "\n"
 
 
-def new_results() -> dict[str, Any]:
-    return {"schema": SCHEMA, "created": _dt.date.today().isoformat(), "runs": [], "rows": {}}
-
-
 def write_results(results: dict[str, Any], path: Path) -> None:
-    """<stem>.json, <stem>.md and, where matplotlib imports, <stem>-ttft.png and -gbps.png."""
-    summarize(results)
+    """<stem>.json, <stem>.md and, where matplotlib imports, <stem>-ttft.png, -floor.png."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    results["plots"] = write_plots(results, path)
     write_json_md(path.with_suffix(""), results, markdown_report(results))
-    write_plots(results, path)
 
 
-def write_plots(results: dict[str, Any], path: Path) -> None:
-    """<stem>-ttft.png: TTFT per model and arm against prompt length; <stem>-gbps.png: each
-    bounded row's bytes read per second of TTFT against its bound. Where matplotlib imports."""
+def write_plots(results: dict[str, Any], path: Path) -> str:
+    """TTFT per arm and mode against prompt length; each counted restore against its floor."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        return "skipped: matplotlib does not import"
+    rows = sorted(results["rows"].values(), key=sort_key)
     fig, ax = plt.subplots(figsize=(8, 5))
-    for model, arm in sorted({(r["model"], r["arm"]) for r in results["rows"].values()}):
-        key, label = "cold_ttft_s" if arm == "cold" else "restore_ttft_s", f"{model} {arm}"
-        pts = sorted(
-            (r["prompt_tokens"] / 1024, r[key])
-            for r in results["rows"].values()
-            if (r["model"], r["arm"]) == (model, arm) and r.get(key)
-        )
-        if pts:
-            ax.plot(*zip(*pts, strict=True), "o-" if model == MAIN_MODEL else "s:", label=label)
-    ax.set(xscale="log", yscale="log", xlabel="prompt (k tokens)", ylabel="TTFT (s)")
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        k = r["prompt_tokens"] / 1024
+        if r["arm"] == "cold" and (c := r["cold_ttft"]["median"]):
+            series.setdefault(f"{r['model']} cold (no connector) {r['mode']}", []).append((k, c))
+        elif (t := r["restore_ttft"]["median"]) is not None:
+            series.setdefault(f"{r['model']} {r['arm']} {r['mode']}", []).append((k, t))
+            if r["arm"] == "default" and (c := r["cold_ttft"]["median"]):
+                series.setdefault(f"{r['model']} cold in engine {r['mode']}", []).append((k, c))
+    for label, pts in sorted(series.items()):
+        style = "o-" if label.startswith(MAIN_MODEL) and "graphs" in label else "s:"
+        ax.plot(*zip(*sorted(pts), strict=True), style, label=label)
+    ax.set(xscale="log", yscale="log", xlabel="prompt (k tokens)", ylabel="TTFT median (s)")
     ax.legend(fontsize=7)
     fig.savefig(path.with_name(f"{path.stem}-ttft.png"), dpi=120, bbox_inches="tight")
     plt.close(fig)
-    bounded = [r for r in sorted(results["rows"].values(), key=sort_key) if r.get("disk_bound")]
-    if not bounded:
-        return
-    fig, ax = plt.subplots(figsize=(max(6, len(bounded)), 4.5))
-    labels = [f"{r['arm']}\n{r['prompt_tokens'] // 1024}k" for r in bounded]
-    got = [r["disk_bound"]["read_bytes"] / r["disk_bound"]["restore_s"] / GB for r in bounded]
-    bound = [r["disk_bound"]["read_bytes"] / r["disk_bound"]["bound_s"] / GB for r in bounded]
-    x = range(len(bounded))
-    ax.bar([i - 0.2 for i in x], bound, 0.4, label="bound: bytes / (read + pinned H2D)")
-    ax.bar([i + 0.2 for i in x], got, 0.4, label="restore: bytes read / TTFT")
-    ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set(ylabel="GB/s", title=f"{MAIN_MODEL}: L2 bytes per second of restore TTFT")
-    ax.legend(fontsize=7)
-    fig.savefig(path.with_name(f"{path.stem}-gbps.png"), dpi=120, bbox_inches="tight")
+    pts = [
+        (f"{r['arm']} {r['mode']}\n{r['prompt_tokens'] // 1024}k", x)
+        for r in rows
+        for x in r.get("restores") or []
+        if x.get("floor_s") and x.get("proven") and x.get("correct")
+    ]
+    if not pts:
+        return "ttft only: no restore with a floor"
+    labels = list(dict.fromkeys(label for label, _ in pts))
+    fig, ax = plt.subplots(figsize=(max(6, len(labels)), 4.5))
+    for label, x in pts:
+        i = labels.index(label)
+        ax.plot(i - 0.1, x["ttft_s"], "o", color="C1")
+        ax.plot(i + 0.1, x["floor_s"], "_", color="C0", markersize=14)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set(ylabel="s", yscale="log", title="each restore (dots) against its floor (bars)")
+    fig.savefig(path.with_name(f"{path.stem}-floor.png"), dpi=120, bbox_inches="tight")
     plt.close(fig)
+    return "written"
