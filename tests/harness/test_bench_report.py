@@ -172,3 +172,61 @@ def test_a_default_with_wrong_kv_beats_no_peer() -> None:
     assert "faster than offloading at 26624 (exact KV): not measured" in "\n".join(
         report.targets(res)
     )
+
+
+def test_an_lmcache_piece_stores_restarts_and_restores_in_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With fake servers and engines: store, a new server whose pid and /cache/clear the
+    restore engine gets, rows for default and pagecache, the piece file, the tier removed."""
+    import argparse
+
+    specs: dict[str, Any] = {}
+
+    class Proc:
+        pid, args = 4242, ["py", "--http-port", "5555"]
+
+    def start_server(py, env, port, chunk, l2, log, l1_size_gb=4, extra_args=()):
+        log.write_text(prefetch_line(0, 5))
+        return Proc()
+
+    def run_engine(py, env, spec, wd, role, timeout):
+        json.dumps(spec)
+        specs[role] = spec
+        if role == "store":
+            stored = [dict(STORED) for _ in spec["stored"]]
+            return {"ok": True, "stored": stored, "l2": {"quiet": True}}
+        reqs = [{"kind": "cold", "ttft_s": 4.0, "round": i} for i in range(spec["rounds"])]
+        reqs += [
+            restore(k, round=i, stored_index=0) for i in range(2) for k in ("disk", "pagecache")
+        ]
+        return {"ok": True, "requests": reqs}
+
+    monkeypatch.setattr(bench, "start_server", start_server)
+    monkeypatch.setattr(bench, "run_engine", run_engine)
+    monkeypatch.setattr(bench, "kill_group", lambda proc: None)
+    monkeypatch.setattr(bench, "collect_environment", lambda py, lmc: {"versions": {}})
+    monkeypatch.setattr(bench.floor, "ceiling_probe", lambda *a: {"disk_gbps": 2.0})
+    (tmp_path / "lmc" / "lmcache").mkdir(parents=True)
+    a = argparse.Namespace(
+        case=f"{M.name}:{P}",
+        group="lmcache",
+        eager=False,
+        rounds=2,
+        lmcache_dir=tmp_path / "lmc",
+        l056_dir=None,
+        out=tmp_path / "pieces",
+        work=tmp_path / "w",
+        engine_timeout=60.0,
+    )
+    piece = bench.Piece(a)
+    piece.run()
+    assert specs["restore"]["io_pid"] == 4242
+    assert specs["restore"]["clear_url"] == "http://127.0.0.1:5555/cache/clear"
+    assert specs["restore"]["kinds"] == ["cold", "disk", "pagecache"]
+    assert specs["store"]["enforce_eager"] is False and len(specs["store"]["stored"]) == 2
+    saved = json.loads((tmp_path / "pieces" / f"{piece.name}.json").read_text())
+    default = saved["rows"][f"{M.name}:{P}:default:graphs"]
+    assert default["ok"] and [r["kind"] for r in default["restores"]] == ["disk", "disk"]
+    assert default["colds_in_engine"] == [4.0, 4.0]
+    assert not (tmp_path / "w" / piece.name / "tier").exists()
