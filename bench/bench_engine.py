@@ -73,9 +73,11 @@ class Session:
         nbytes = float(self.spec.get("prompt_bytes", 0))
         return floor.wait_quiet(self.tier, self.suffix, min_files, quiet_s, 60 + 4 * nbytes / 1e9)
 
-    def settle_cold(self) -> dict[str, Any]:
-        """After a cold: its stores done, its files removed."""
-        q = self.quiet(len(self.keep) + int(self.spec.get("objects_per_prompt", 0)))
+    def settle_cold(self, tokens: list[int]) -> dict[str, Any]:
+        """After a cold: its stores done (at least a file per chunk before the last token),
+        its files removed."""
+        chunks = (len(tokens) - 1) // int(self.spec["block_tokens"])
+        q = self.quiet(len(self.keep) + chunks)
         extra = [f for f in q["files"] if f not in self.keep]
         for f in extra:
             Path(f).unlink(missing_ok=True)
@@ -130,7 +132,8 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
             out, got = ep._generate_timed(s.llm, tokens, s.greedy)
             got.update(tokens=list(out.outputs[0].token_ids), kv_hashes=_kv(s.llm, tokens))
             result["stored"].append(got)
-        q = s.quiet(int(spec.get("objects_per_prompt", 0)) * len(spec["stored"]), quiet_s=3.0)
+        chunks = sum((len(t) - 1) // int(spec["block_tokens"]) for t in spec["stored"])
+        q = s.quiet(chunks, quiet_s=3.0)
         result["l2"] = {"quiet": q["quiet"], "files": len(q["files"]), "waited_s": q["waited_s"]}
         result["l2"]["bytes"] = sum(size for size, _ in q["files"].values())
     elif role == "restore":
@@ -138,7 +141,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
         if hook := ep._time_lookups(s.llm, s.lookups):
             result["lookups_timed"] = hook
         s.timed(spec["warm_prompts"][0])
-        s.settle_cold()
+        s.settle_cold(spec["warm_prompts"][0])
         result["warm_restore"] = span(s.restore(spec["stored"][0], "warm"))
         result["requests"] = []
         colds = iter(spec["cold_prompts"])
@@ -146,8 +149,9 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
             k = i % len(spec["stored"])
             for kind in spec["kinds"]:
                 if kind == "cold":
-                    got = {"kind": "cold", "round": i, **s.timed(next(colds))}
-                    got["settle"] = s.settle_cold()
+                    tokens = next(colds)
+                    got = {"kind": "cold", "round": i, **s.timed(tokens)}
+                    got["settle"] = s.settle_cold(tokens)
                 else:
                     got = {"round": i, "stored_index": k, **s.restore(spec["stored"][k], kind)}
                 result["requests"].append(span(got))

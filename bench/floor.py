@@ -49,7 +49,8 @@ def resident_bytes(path: Path) -> int:
             _libc.munmap(addr, size)
     finally:
         os.close(fd)
-    return min(sum(b & 1 for b in vec) * PAGE, size)
+    flags = bytes(vec)  # bit 0: resident; the other bits are reserved (zero)
+    return min((len(flags) - flags.count(0)) * PAGE, size)
 
 
 def residency(paths: Iterable[Path]) -> dict[str, int]:

@@ -137,7 +137,7 @@ def engine_spec(
         enforce_eager=eager,
         log_stats=True,
         prompt_bytes=prompt_bytes(m, p),
-        objects_per_prompt=p // n,
+        block_tokens=n,
         warm_prompts=[prompt(min(p, WARM_BLOCKS * n + n // 2), "W")],
     )
     if "kv_transfer_config" in conn:
