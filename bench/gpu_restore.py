@@ -234,7 +234,9 @@ class Piece:
             raise SystemExit(f"bench: unknown model {model!r}; one of {', '.join(MODELS)}")
         self.m, self.p = MODELS[model], LENGTHS.get(length) or int(length)
         self.mode = "eager" if a.eager else "graphs"
-        self.name = f"{self.m.name}-{self.p}-{a.group}-{self.mode}"
+        self.name = f"{self.m.name}-{self.p}-{a.group}-{self.mode}" + (
+            f"-{a.part}" if a.part else ""
+        )
         self.rows: dict[str, dict[str, Any]] = {}
         self.info: dict[str, Any] = {}
 
@@ -408,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int | str:
     pc.add_argument("--group", required=True, choices=list(GROUPS))
     pc.add_argument("--eager", action="store_true", help="the labelled eager arm")
     pc.add_argument("--rounds", type=int, default=5, help="colds and restores per arm")
+    pc.add_argument(
+        "--part", default="", help="a label: pieces of one row with other labels add up"
+    )
     pc.add_argument("--lmcache-dir", type=Path, required=True, help="this wheel (pip --target)")
     pc.add_argument("--l056-dir", type=Path, default=Path("/tmp/lmc-056"), help="lmcache 0.5.6")
     pc.add_argument("--out", type=Path, default=Path("results/pieces"), help="pieces' folder")

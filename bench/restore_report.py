@@ -74,15 +74,22 @@ def sort_key(r: dict[str, Any]) -> tuple[str, int, int, str]:
 
 
 def merge_pieces(pieces: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """One results dict from pieces (bench.gpu_restore piece files): each piece's rows carry
-    its run (machine, versions, read ceiling); a row measured again by a later piece wins."""
+    """One results dict from pieces (bench.gpu_restore piece files). A piece run again (same
+    name) replaces the earlier run; pieces of one row with other names (``--part``) add their
+    restores and colds up. Each restore keeps its piece's read ceiling."""
     res: dict[str, Any] = {"schema": SCHEMA, "created": _dt.date.today().isoformat()}
     res.update(runs=[], rows={})
-    for piece in sorted(pieces, key=lambda x: str(x["run"].get("started"))):
+    latest = {x["piece"]: x for x in sorted(pieces, key=lambda x: str(x["run"].get("started")))}
+    for piece in sorted(latest.values(), key=lambda x: str(x["run"].get("started"))):
         run = {"piece": piece["piece"], **piece["run"]}
         res["runs"].append(run)
         for key, row in piece["rows"].items():
-            res["rows"][key] = {**row, "piece": piece["piece"], "ceiling": run.get("ceiling")}
+            restores = [{**x, "ceiling": run.get("ceiling")} for x in row.get("restores") or []]
+            new = {**row, "pieces": [piece["piece"]], "restores": restores}
+            if old := res["rows"].get(key):
+                for k in ("pieces", "restores", "colds_in_engine", "errors", "findings"):
+                    new[k] = old.get(k, []) + new.get(k, [])
+            res["rows"][key] = new
     summarize(res)
     return res
 
@@ -92,15 +99,16 @@ def summarize(results: dict[str, Any]) -> None:
     restore's floor; the speedups against the colds of the same engine and of the cold arm."""
     rows = results["rows"]
     for r in rows.values():
-        ceiling = r.get("ceiling") or {}
-        gbps = ceiling.get("page_cache_gbps" if r["arm"] == "pagecache" else "disk_gbps")
+        which = "page_cache_gbps" if r["arm"] == "pagecache" else "disk_gbps"
         good = [x for x in r.get("restores") or [] if x.get("proven") and x.get("correct")]
         r["fixed_s"] = spread(x.get("fixed_s") for x in r.get("restores") or [])["median"]
         for x in r.get("restores") or []:
             x["floor_bytes"] = (
                 x.get("object_bytes") if r["arm"] == "pagecache" else x.get("io_read_bytes")
             )
-            x["floor_s"] = floor_s(x["floor_bytes"], gbps, r["fixed_s"])
+            x["floor_s"] = floor_s(
+                x["floor_bytes"], (x.get("ceiling") or {}).get(which), r["fixed_s"]
+            )
             ttft = x.get("ttft_s")
             x["floor_over_restore"] = x["floor_s"] / ttft if x["floor_s"] and ttft else None
         r["restore_ttft"] = spread(x["ttft_s"] for x in good)
