@@ -239,3 +239,46 @@ def test_an_lmcache_piece_stores_restarts_and_restores_in_rounds(
     assert default["ok"] and [r["kind"] for r in default["restores"]] == ["disk", "disk"]
     assert default["colds_in_engine"] == [4.0, 4.0]
     assert not (tmp_path / "w" / piece.name / "tier").exists() and piece.name.endswith("-a")
+
+
+def test_the_bench_runs_cuda_graphs_and_the_gates_engines_stay_eager(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from hybridfa_gate import engine_proc
+
+    graphs = bench.engine_spec(M, P, "restore", tmp_path, eager=False, conn={"lmcache": 1})
+    eager = bench.engine_spec(M, P, "restore", tmp_path, eager=True, conn={"lmcache": 1})
+    gate = {k: v for k, v in graphs.items() if k != "enforce_eager"}
+    assert engine_proc.llm_kwargs(graphs)["enforce_eager"] is False
+    assert engine_proc.llm_kwargs(eager)["enforce_eager"] is True
+    assert engine_proc.llm_kwargs(gate)["enforce_eager"] is True
+
+
+def test_the_offloading_config_selects_vllms_offloading_connector_with_hma() -> None:
+    pytest.importorskip("vllm")
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cfg = KVTransferConfig(**report.offloading_transfer_config(Path("/x"), 1 << 30, "e"))
+    assert KVConnectorFactory.get_connector_class(cfg).__name__ == "OffloadingConnector"
+    assert KVConnectorFactory.supports_hma_config(cfg)  # hybrid (Mamba) models keep HMA
+
+
+def test_the_offloading_config_names_the_tiering_spec_and_its_fs_tier() -> None:
+    pytest.importorskip("vllm")
+    import inspect
+
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    cfg = report.offloading_transfer_config(Path("/x"), 1 << 30, "e")
+    extra = cfg["kv_connector_extra_config"]
+    assert OffloadingSpecFactory.get_spec_cls(extra).__name__ == "TieringOffloadingSpec"
+    [tier] = extra["secondary_tiers"]
+    tier_cls = SecondaryTierFactory.get_tier_class(tier)
+    assert set(tier) - {"type"} <= set(inspect.signature(tier_cls.__init__).parameters)
+
+
+def test_an_offloading_spec_steps_its_stores_and_reads_its_own_files(tmp_path: Path) -> None:
+    conn = {"kv_transfer_config": report.offloading_transfer_config(tmp_path, 1 << 30, "e")}
+    spec = bench.engine_spec(M, P, "store", tmp_path, eager=False, conn=conn)
+    assert spec["connector"] == "offloading" and spec["suffix"] == ".bin" and "lmcache" not in spec
