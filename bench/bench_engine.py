@@ -85,6 +85,8 @@ class Session:
 
     def restore(self, tokens: list[int], kind: str) -> dict[str, Any]:
         ev: dict[str, Any] = {"kind": kind}
+        if self.offload:  # its reset_cache asserts that no transfer job is in flight
+            _step_until_idle(self.llm)
         ev["prefix_reset"] = bool(self.llm.reset_prefix_cache(reset_connector=self.offload))
         if url := self.spec.get("clear_url"):
             try:
