@@ -40,6 +40,11 @@ from hybridfa_gate.prompts import (
 )
 
 LORA_MODES = ("", "other", "each")
+# The lmcache release a build is based on (``run.lmcache_base``): each base has its own series.
+DEFAULT_BASE = "0.5.3"
+# Bases whose patched build refuses a hybrid layout on an fs_native tier (0.5.3's series does;
+# the 0.5.6 series does not have that refusal yet, so its fs_native cases are restores).
+REFUSING_BASES = ("0.5.3",)
 
 
 @dataclass(frozen=True)
@@ -118,21 +123,22 @@ class Case:
         head = f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}"
         return f"{head}{fa}{mbt}{mtp}{turn}{l2}{kv}{lora}{forged}{sog}{tp}"
 
-    def mode(self, arm: str) -> str:
-        """What a pass means for this case on ``arm`` (judge.py): "restore", the stored KV
-        restored exactly; "refused", the patched server refuses the layout (an fs_native tier),
-        so the restore misses; "miss", what was stored means other values after the restart, so
-        the restore misses; "forged", the restore misses from the forged object on."""
-        if arm == "patched" and self.l2 == "fs_native":
+    def mode(self, arm: str, base: str = DEFAULT_BASE) -> str:
+        """What a pass means for this case on ``arm`` of ``base`` (judge.py): "restore", the
+        stored KV restored exactly; "refused", the patched server refuses the layout (an
+        fs_native tier), so the restore misses; "miss", what was stored means other values
+        after the restart, so the restore misses; "forged", the restore misses from the forged
+        object on."""
+        if arm == "patched" and self.l2 == "fs_native" and base in REFUSING_BASES:
             return "refused"
         if self.restore_kv_dtype is not None:
             return "miss"
         return "forged" if self.forged else "restore"
 
-    def refused_by(self, arm: str) -> bool:
+    def refused_by(self, arm: str, base: str = DEFAULT_BASE) -> bool:
         """Whether the arm's server refuses this case's hybrid layout (the patched build
         stores nothing on an fs_native tier, and its lookups miss)."""
-        return self.mode(arm) == "refused"
+        return self.mode(arm, base) == "refused"
 
     def kv_cache_dtype(self, role: str) -> str:
         """The engine's kv_cache_dtype: the store engine's, or after the restart's."""

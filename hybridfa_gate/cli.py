@@ -17,9 +17,10 @@ from hybridfa_gate.run import ARMS, run_matrix
 from hybridfa_gate.specs import RunConfig
 
 ARM_HELP = (
-    "patched (this series' wheel), pristine (lmcache 0.5.3) or control (pristine with the "
-    "series' HND and native-batch patches, built by `python -m hybridfa_gate.control`, for "
-    "the HND and resp cases where pristine stores nothing)"
+    "patched (this series' wheel), pristine (the base's lmcache release: 0.5.3, or 0.5.6 for "
+    "vLLM 0.29-0.34) or control (pristine 0.5.3 with the series' HND and native-batch patches, "
+    "built by `python -m hybridfa_gate.control`, for the HND and resp cases where pristine "
+    "stores nothing)"
 )
 
 

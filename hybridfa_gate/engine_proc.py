@@ -247,6 +247,10 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
     result["cache_block_size"] = vc.cache_config.block_size
     result["mamba_page_size_padded"] = vc.cache_config.mamba_page_size_padded
     result["kv_cache_dtype"] = str(vc.cache_config.cache_dtype)
+    # vLLM 0.29+: the layout the engine core resolved (VLLM_KV_CACHE_LAYOUT among the
+    # backends' candidates); older vLLMs have no such field.
+    if (layout := getattr(vc.cache_config, "kv_cache_layout", None)) is not None:
+        result["kv_cache_layout"] = layout
     print(f"[gate] engine up in {result['engine_up_s']}s block_size={vc.cache_config.block_size}")
     return llm
 

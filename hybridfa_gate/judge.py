@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from hybridfa_gate.cases import Case, select_cases
+from hybridfa_gate.cases import DEFAULT_BASE, Case, select_cases
 from hybridfa_gate.procs import REFUSAL, STORE_FAILED
 from hybridfa_gate.prompts import median, required_hit
 
@@ -211,12 +211,21 @@ def judge_lora_b(
     return out
 
 
+# The KV cache layout vLLM 0.29+ resolves for VLLM_KV_CACHE_LAYOUT=NHD or HND.
+RESOLVED_LAYOUTS = {"NHD": "LBNHC", "HND": "LBHNC"}
+
+
 def evaluate_case(
-    case: Case, cold: Result, store: Result, restore: Result, arm: str = "patched"
+    case: Case,
+    cold: Result,
+    store: Result,
+    restore: Result,
+    arm: str = "patched",
+    base: str = DEFAULT_BASE,
 ) -> dict[str, Any]:
-    """The criteria of the case's mode on ``arm`` plus validity checks, from the three
-    engines' results."""
-    mode = case.mode(arm)
+    """The criteria of the case's mode on ``arm`` of ``base`` plus validity checks, from the
+    three engines' results."""
+    mode = case.mode(arm, base)
     out: dict[str, Any] = {"errors": [], "refused": mode == "refused", "mode": mode}
     out["judged"] = JUDGED[mode]
     for role, r in (("cold", cold), ("store", store), ("restore", restore)):
@@ -238,6 +247,11 @@ def evaluate_case(
         out["errors"].append(f"weights differ across restarts: {sorted(map(str, fps))}")
     if any(r.get("observed_layout") not in (case.layout, None) for r in engines):
         out["errors"].append("observed KV layout differs from the case's layout")
+    # vLLM 0.29+ resolves one layout per engine (CacheConfig.kv_cache_layout), NHD/HND
+    # being its names for LBNHC/LBHNC; older vLLMs report none.
+    resolved = {r.get("kv_cache_layout") for r in engines} - {None}
+    if resolved - {RESOLVED_LAYOUTS[case.layout]}:
+        out["errors"].append(f"vLLM resolved the KV layout {sorted(resolved)}, not {case.layout}")
 
     # The reference for (a) and (b): the storing engine's own prompt; for turn 2, vLLM's
     # own prefix cache (the cold engine ran turn 1, then turn 2); after a dtype change, the

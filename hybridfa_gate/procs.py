@@ -130,6 +130,13 @@ def extra_server_args() -> list[str]:
     return shlex.split(os.environ.get("HYBRIDFA_SERVER_ARGS", ""))
 
 
+def server_args(port: int, chunk: int, adapter: dict[str, Any], l1_size_gb: float = 4) -> list[str]:
+    """`lmcache server` options of a gate server (the same for lmcache 0.5.3 and 0.5.6)."""
+    args = ["--chunk-size", str(chunk), "--l1-size-gb", f"{l1_size_gb:g}"]
+    args += ["--eviction-policy", "LRU", "--port", str(port)]
+    return [*args, "--http-port", str(free_port()), "--l2-adapter", json.dumps(adapter)]
+
+
 def start_server(
     py: str,
     env: dict[str, str],
@@ -142,9 +149,7 @@ def start_server(
     extra_args: Sequence[str] = (),
 ) -> subprocess.Popen[Any]:
     adapter = l2_tiers.adapter_json("fs", l2) if isinstance(l2, Path) else l2
-    cmd = [py, "-c", SERVER_BOOT, "server", "--chunk-size", str(chunk)]
-    cmd += ["--l1-size-gb", f"{l1_size_gb:g}", "--eviction-policy", "LRU", "--port", str(port)]
-    cmd += ["--http-port", str(free_port()), "--l2-adapter", json.dumps(adapter)]
+    cmd = [py, "-c", SERVER_BOOT, "server", *server_args(port, chunk, adapter, l1_size_gb)]
     cmd += [*extra_args, *extra_server_args()]
     with open(log, "w") as fh:
         proc = spawn(cmd, fh, env, cwd=log.parent)

@@ -24,7 +24,7 @@ from typing import Any
 
 from hybridfa_gate import l2 as l2_tiers
 from hybridfa_gate import lora
-from hybridfa_gate.cases import Case
+from hybridfa_gate.cases import DEFAULT_BASE, Case
 from hybridfa_gate.forge import forge
 from hybridfa_gate.judge import add_errors, evaluate_case, run_errors
 from hybridfa_gate.models import expected_chunk_bytes, write_model_dir
@@ -42,9 +42,12 @@ from hybridfa_gate.procs import (
 from hybridfa_gate.report import write_report
 from hybridfa_gate.specs import RunConfig, cold_key, engine_spec, restore_spec, store_spec
 
-# patched: this series' wheel; pristine: lmcache 0.5.3; control: pristine with the few patches
-# that let pristine store at all where it cannot (hybridfa_gate.control).
+# patched: this series' wheel; pristine: the base's lmcache release (0.5.3, or 0.5.6 for vLLM
+# 0.29+); control: pristine 0.5.3 with the few patches that let it store at all where it cannot
+# (hybridfa_gate.control).
 ARMS = ("patched", "pristine", "control")
+# The vLLM releases each lmcache base serves, [first, last] by (major, minor).
+SERVED_VLLM = {"0.5.3": ((0, 26), (0, 28)), "0.5.6": ((0, 29), (0, 34))}
 
 
 class ColdRuns:
@@ -69,7 +72,7 @@ class ColdRuns:
             return self.results[key]
 
 
-def case_record(case: Case, arm: str) -> dict[str, Any]:
+def case_record(case: Case, arm: str, base: str = DEFAULT_BASE) -> dict[str, Any]:
     """A case's settings, as its report record starts."""
     rec: dict[str, Any] = {"case": case.case_id, "model": case.model, "family": case.spec.family}
     rec.update(geometry=asdict(case.geometry), layout=case.layout, chunk=case.chunk)
@@ -79,8 +82,8 @@ def case_record(case: Case, arm: str) -> dict[str, Any]:
     dtype = case.kv_dtype
     if case.restore_kv_dtype is not None:
         dtype += f" -> {case.restore_kv_dtype}"
-    rec.update(kv_cache_dtype=dtype, lora=case.lora, forged=case.forged, mode=case.mode(arm))
-    rec.update(server_args=list(case.server_args), expect_refusal=case.refused_by(arm))
+    rec.update(kv_cache_dtype=dtype, lora=case.lora, forged=case.forged, mode=case.mode(arm, base))
+    rec.update(server_args=list(case.server_args), expect_refusal=case.refused_by(arm, base))
     rec["expected_chunk_bytes"] = expected_chunk_bytes(
         case.spec, case.chunk, case.tp, case.kv_dtype
     )
@@ -102,7 +105,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             for n in lora.SEEDS
         }
     env = child_env(rc.lmcache_dir, case.layout)
-    rec = case_record(case, rc.arm)
+    rec = case_record(case, rc.arm, rc.base)
     cold_spec = engine_spec(case, "cold", model_dir, rc, None, None, adapters=adapters)
     run_cold = functools.partial(run_engine, rc.python, env, cold_spec, wd, "cold")
     cold = cold_runs.get_or_run(cold_key(case), lambda: run_cold(rc.engine_timeout))
@@ -158,7 +161,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             kill_group(s)
         if redis is not None:
             redis.close()
-    ev = evaluate_case(case, cold, store, restore, rc.arm)
+    ev = evaluate_case(case, cold, store, restore, rc.arm, rc.base)
     rec["eval"] = add_errors(ev, run_errors(rec))
     engines = {"cold": cold, "store": store, "restore": restore}
     rec["engines"] = {role: slim(r) for role, r in engines.items()}
@@ -235,8 +238,22 @@ def collect_environment(py: str, lmcache_dir: Path | None) -> dict[str, Any]:
     return {"versions": versions, "hardware": {"gpus": gpus}, "server_args": extra_server_args()}
 
 
+def _release(version: Any) -> tuple[int, ...] | None:
+    """(0, 5, 6) of "0.5.6+hybridfa.1", (0, 29, 0) of "0.29.0"; None when unreadable."""
+    parts = str(version or "").split("+")[0].split(".")[:3]
+    return tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else None
+
+
+def lmcache_base(versions: dict[str, Any]) -> str:
+    """The lmcache release the engines' build is based on ("0.5.3", "0.5.6"), from its
+    distribution version; the default base where none is reported."""
+    release = _release(versions.get("lmcache_dist") or versions.get("lmcache"))
+    return ".".join(map(str, release)) if release else DEFAULT_BASE
+
+
 def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | None:
-    """The lmcache the engines import must be the one under test, of the right arm."""
+    """The lmcache the engines import must be the one under test, of the right arm, of a base
+    that serves the engines' vLLM."""
     path = versions.get("lmcache_path")
     if not path:
         return f"lmcache not importable from {lmcache_dir}: {versions}"
@@ -244,6 +261,16 @@ def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | 
         return f"engines import lmcache from {path}, not from {lmcache_dir}"
     if bool(versions.get("lmcache_hybridfa")) != (arm == "patched"):
         return f"--arm {arm} but lmcache at {path} has _hybridfa={versions.get('lmcache_hybridfa')}"
+    base = lmcache_base(versions)
+    if base not in SERVED_VLLM:
+        return f"lmcache at {path} is based on {base}; the gate knows {', '.join(SERVED_VLLM)}"
+    if arm == "control" and base != DEFAULT_BASE:
+        return f"--arm control is pristine {DEFAULT_BASE} with patches; {path} is {base}"
+    vllm = _release(versions.get("vllm"))
+    first, last = SERVED_VLLM[base]
+    if vllm is not None and not first <= vllm[:2] <= last:
+        served = f"{'.'.join(map(str, first))}-{'.'.join(map(str, last))}"
+        return f"lmcache {base} serves vLLM {served}, the engines import vLLM {versions['vllm']}"
     return None
 
 
@@ -277,6 +304,7 @@ def run_matrix(
         report["error"] = problem
         flush()
         return report
+    rc.base = report["base"] = lmcache_base(report["versions"])
     cold_runs = ColdRuns()
     lock = threading.Lock()
     order = {c.case_id: i for i, c in enumerate(cases)}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridfa_gate.cases import Case
+from hybridfa_gate.cases import DEFAULT_BASE, Case
 from hybridfa_gate.models import ModelSpec
 from hybridfa_gate.prompts import NEW_TOKENS, TURN2_QUESTION, make_prompt, prompt_key
 
@@ -44,6 +44,7 @@ class RunConfig:
     engine_timeout: float = 420.0
     keep_l2: bool = False
     work: Path = field(default_factory=lambda: Path("/tmp/hybridfa-gate"))
+    base: str = DEFAULT_BASE  # the lmcache release under test (set from the engines' view)
 
 
 def base_spec(
@@ -145,7 +146,7 @@ def store_spec(
     seeds = (WARM_RESTORE_SEED, *(r for r, _ in D_REPEAT_SEEDS))
     spec["also_store"] = [make_prompt(case.prompt_tokens, seed=s) for s in seeds]
     spec["l2_min_objects"] += len(seeds) * (case.prompt_tokens // case.chunk) * case.tp
-    if case.refused_by(rc.arm):  # the server stores nothing of a layout it refuses
+    if case.refused_by(rc.arm, rc.base):  # the server stores nothing of a layout it refuses
         spec["l2_min_objects"] = 0
     return spec
 
