@@ -106,6 +106,8 @@ class FakeSchedulerAdapter:
         if server_layout_format is None:
             server_layout_format = this_build_layout_format()
         self.server_layout_formats = {"tcp://fake:5555": server_layout_format}
+        # 0.5.6's adapter keeps the server's GET_EXPERIMENTAL reply as a set.
+        self.experimental = {f"hybridfa-layout-format={server_layout_format}"}
 
     def maybe_submit_lookup_request(self, request_id: str, **_: Any) -> None:
         return None
