@@ -284,11 +284,11 @@ def test_calculated_kv_scales_refuse_the_cache():
     from lmcache.v1.distributed.layout_namespace import LAYOUT_FORMAT
 
     calculated = _engine("fp8_e4m3", calculate=True)
-    reason = hybrid_cache_refusal(calculated, 4, LAYOUT_FORMAT)
+    reason = hybrid_cache_refusal(calculated, True, LAYOUT_FORMAT)
     assert reason is not None and "--calculate-kv-scales" in reason
-    assert hybrid_cache_refusal(_engine("fp8_e4m3"), 4, LAYOUT_FORMAT) is None
-    assert hybrid_cache_refusal(_engine("auto", calculate=True), 4, LAYOUT_FORMAT) is None
-    assert hybrid_cache_refusal(calculated, 1, LAYOUT_FORMAT) is None  # not hybrid
+    assert hybrid_cache_refusal(_engine("fp8_e4m3"), True, LAYOUT_FORMAT) is None
+    assert hybrid_cache_refusal(_engine("auto", calculate=True), True, LAYOUT_FORMAT) is None
+    assert hybrid_cache_refusal(calculated, False, LAYOUT_FORMAT) is None  # no recurrent state
 
 
 @pytest.mark.feature
@@ -313,8 +313,8 @@ def test_a_pristine_server_refuses_the_hybrid_cache():
     from lmcache.v1.distributed.layout_namespace import LAYOUT_FORMAT, server_layout_format
 
     pristine = server_layout_format({"transfer_query"})
-    reason = hybrid_cache_refusal(_engine("auto"), 4, pristine)
+    reason = hybrid_cache_refusal(_engine("auto"), True, pristine)
     assert reason is not None and "pristine" in reason
-    assert hybrid_cache_refusal(_engine("auto"), 4, 3) is not None  # the 0.5.3 series
-    assert hybrid_cache_refusal(_engine("auto"), 1, pristine) is None
-    assert hybrid_cache_refusal(_engine("auto"), 4, LAYOUT_FORMAT) is None
+    assert hybrid_cache_refusal(_engine("auto"), True, 3) is not None  # the 0.5.3 series
+    assert hybrid_cache_refusal(_engine("auto"), False, pristine) is None
+    assert hybrid_cache_refusal(_engine("auto"), True, LAYOUT_FORMAT) is None
