@@ -318,3 +318,20 @@ def test_a_pristine_server_refuses_the_hybrid_cache():
     assert hybrid_cache_refusal(_engine("auto"), True, 3) is not None  # the 0.5.3 series
     assert hybrid_cache_refusal(_engine("auto"), False, pristine) is None
     assert hybrid_cache_refusal(_engine("auto"), True, LAYOUT_FORMAT) is None
+
+
+@pytest.mark.feature
+def test_a_hybrid_engine_facing_a_pristine_server_stores_and_loads_nothing(monkeypatch):
+    """The real scheduler-side connector over vLLM's KVCacheManager (vllm_sched_fakes)
+    whose server answers GET_EXPERIMENTAL as pristine 0.5.6 does."""
+    from vllm_sched_fakes import BLOCK, SchedDriver, make_connector, make_kv_cache_config
+
+    stores = {}
+    for server_format in (None, 0):  # this build's server, a pristine one
+        config = make_kv_cache_config(0)
+        connector = make_connector(config, BLOCK, monkeypatch, server_layout_format=server_format)
+        driver = SchedDriver(config, connector)
+        driver.add_request("r", list(range(4 * BLOCK)))
+        stores[server_format] = [op for _ in range(4) for op in driver.step({"r": BLOCK}).stores]
+    assert stores[None], "this build's server: the prompt's chunks are stored"
+    assert stores[0] == []
