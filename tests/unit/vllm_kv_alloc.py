@@ -53,10 +53,15 @@ class Registration:
 
 
 def build_registration(
-    tokens_per_block: int, kernel_block: int, layout: str, num_blocks: int = 12
+    tokens_per_block: int,
+    kernel_block: int,
+    layout: str,
+    num_blocks: int = 12,
+    conv_state_len: int = CONV_WIDTH - 1,
 ) -> Registration:
     """vLLM's allocation of a 3:1 GDN:FA hybrid; FA kernel-paged at ``kernel_block``;
-    ``layout`` is a ``KVCacheLayout`` name."""
+    ``layout`` is a ``KVCacheLayout`` name; ``conv_state_len`` the conv state's length
+    (MTP lengthens it by the draft tokens)."""
     if not has_strided_allocation():
         pytest.skip("this vLLM does not allocate the KV cache as strided views (< 0.29)")
     try:  # vLLM >= 0.33 moved it
@@ -72,7 +77,7 @@ def build_registration(
     )
     mamba = MambaSpec(
         block_size=tokens_per_block,
-        shapes=((CONV_DIM, CONV_WIDTH - 1), (SSM_HEADS, SSM_DIM, SSM_DIM)),
+        shapes=((CONV_DIM, conv_state_len), (SSM_HEADS, SSM_DIM, SSM_DIM)),
         dtypes=(torch.bfloat16, torch.float32),
         page_size_padded=fa.page_size_bytes,
         mamba_cache_mode="align",

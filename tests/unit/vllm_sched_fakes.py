@@ -89,7 +89,11 @@ def this_build_experimental() -> list[str]:
         from lmcache.v1.distributed.layout_namespace import server_marker
     except ImportError:
         return []
-    return [server_marker()]
+    try:  # the 0.5.6 base's one-block recurrent window
+        from lmcache.v1.distributed.layout_namespace import RECURRENT_LAST_BLOCK_MARKER
+    except ImportError:
+        return [server_marker()]
+    return [server_marker(), RECURRENT_LAST_BLOCK_MARKER]
 
 
 class FakeSchedulerAdapter:
@@ -106,6 +110,11 @@ class FakeSchedulerAdapter:
         if server_layout_format is None:
             server_layout_format = this_build_layout_format()
         self.server_layout_formats = {"tcp://fake:5555": server_layout_format}
+        # 0.5.6's adapter keeps the server's GET_EXPERIMENTAL reply as a set: a
+        # server of the build under test, or one advertising another format.
+        self.experimental = {f"hybridfa-layout-format={server_layout_format}"}
+        if server_layout_format == this_build_layout_format():
+            self.experimental.update(this_build_experimental())
 
     def maybe_submit_lookup_request(self, request_id: str, **_: Any) -> None:
         return None
