@@ -14,6 +14,8 @@ import aiofiles
 import pytest
 from fs_l2_driver import load, store
 
+pytestmark = pytest.mark.bases("0.5.3", "0.5.6")
+
 N_OBJECTS = 8
 PAYLOADS = [bytes([i + 1]) * 4096 for i in range(N_OBJECTS)]
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.bases("0.5.3", "0.5.6")
+
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
 
 from fs_l2_driver import load, open_adapter, store  # noqa: E402

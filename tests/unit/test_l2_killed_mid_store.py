@@ -30,6 +30,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.bases("0.5.3", "0.5.6")
+
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
 
 import fs_l2_driver  # noqa: E402

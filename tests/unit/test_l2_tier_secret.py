@@ -17,7 +17,7 @@ pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
 
 from fs_l2_driver import open_adapter  # noqa: E402
 
-pytestmark = pytest.mark.feature
+pytestmark = [pytest.mark.feature, pytest.mark.bases("0.5.3", "0.5.6")]
 
 
 def start(tmp_path: Path, secret: Path) -> None:
