@@ -66,6 +66,7 @@ class Server:
             return lambda *args, **kwargs: self.reached.append(name)
 
         storage = SimpleNamespace(
+            l2_adapters=list,  # a server without an L2 tier
             **{
                 n: record(n)
                 for n in (
