@@ -42,9 +42,8 @@ from hybridfa_gate.prompts import (
 LORA_MODES = ("", "other", "each")
 # The lmcache release a build is based on (``run.lmcache_base``): each base has its own series.
 DEFAULT_BASE = "0.5.3"
-# Bases whose patched build refuses a hybrid layout on an fs_native tier (0.5.3's series does;
-# the 0.5.6 series does not have that refusal yet, so its fs_native cases are restores).
-REFUSING_BASES = ("0.5.3",)
+# Bases whose patched build refuses a hybrid layout on an fs_native tier (both series do).
+REFUSING_BASES = ("0.5.3", "0.5.6")
 
 
 @dataclass(frozen=True)
