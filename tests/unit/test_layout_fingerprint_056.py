@@ -77,7 +77,7 @@ class Server:
                     "reserve_write",
                     "submit_write",
                 )
-            }
+            },
         )
         self.ctx = SimpleNamespace(
             storage_manager=storage,
