@@ -220,6 +220,7 @@ def test_the_gap_chunk_is_stored_without_its_state(monkeypatch) -> None:
             assert GAP not in chunks[g], (
                 f"object group {g} stores the gap chunk's state from vLLM's null block"
             )
+            assert chunks[g] == [c for c in every if c != GAP], "and every other chunk's"
     assert every in [c for c, r in zip(chunks, recurrent, strict=True) if not r], (
         f"the FA objects of every chunk are stored: {chunks}"
     )
