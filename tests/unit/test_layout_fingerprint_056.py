@@ -52,6 +52,13 @@ def group_infos(reg: Any, engine_identity: str | None = None) -> tuple[dict, lis
     return edited, wire, hints
 
 
+class _Context(SimpleNamespace):
+    """The server context's fields the module reads; weak-referenceable and hashed by
+    identity as the real one (the server keeps per-context state in weak maps)."""
+
+    __hash__ = object.__hash__
+
+
 class Server:
     """LMCache's LMCacheDrivenTransferModule and LayoutDescRegistry; the storage
     manager is a fake that records what reaches it."""
@@ -79,7 +86,7 @@ class Server:
                 )
             },
         )
-        self.ctx = SimpleNamespace(
+        self.ctx = _Context(
             storage_manager=storage,
             chunk_size=CHUNK,
             separate_object_groups=separate_object_groups,

@@ -143,7 +143,8 @@ def _mamba_groups(table: list[list[int]]) -> list[int]:
 @pytest.mark.fix
 def test_a_chunk_whose_last_state_block_is_null_is_never_stored(monkeypatch):
     """A four-block prefill step leaves state in its last block only: the chunk of the
-    step's first two blocks has no state to store."""
+    step's first two blocks has no state to store (a server without patch 0010's
+    FA-only word; test_mtp_gap_chunk_056 covers one with it)."""
     ops, table = _stores(monkeypatch, [4 * BLOCK, 4 * BLOCK])
     for op in ops:
         for g in _mamba_groups(table):

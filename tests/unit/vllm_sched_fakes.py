@@ -83,8 +83,9 @@ def this_build_layout_format() -> int:
     return LAYOUT_FORMAT
 
 
-def this_build_experimental() -> list[str]:
-    """What a server of the build under test answers to GET_EXPERIMENTAL."""
+def this_build_experimental(fa_only_chunks: bool = True) -> list[str]:
+    """What a server of the build under test answers to GET_EXPERIMENTAL (without
+    its word that it stores FA-only chunks unless ``fa_only_chunks``)."""
     try:
         from lmcache.v1.distributed.layout_namespace import server_marker
     except ImportError:
@@ -93,7 +94,12 @@ def this_build_experimental() -> list[str]:
         from lmcache.v1.distributed.layout_namespace import RECURRENT_LAST_BLOCK_MARKER
     except ImportError:
         return [server_marker()]
-    return [server_marker(), RECURRENT_LAST_BLOCK_MARKER]
+    try:  # the 0.5.6 base's chunks stored as their FA objects only
+        from lmcache.v1.distributed.layout_namespace import FA_ONLY_CHUNKS_MARKER
+    except ImportError:
+        fa_only_chunks = False
+    markers = [server_marker(), RECURRENT_LAST_BLOCK_MARKER]
+    return [*markers, FA_ONLY_CHUNKS_MARKER] if fa_only_chunks else markers
 
 
 class FakeSchedulerAdapter:
@@ -114,7 +120,7 @@ class FakeSchedulerAdapter:
         # server of the build under test, or one advertising another format.
         self.experimental = {f"hybridfa-layout-format={server_layout_format}"}
         if server_layout_format == this_build_layout_format():
-            self.experimental.update(this_build_experimental())
+            self.experimental.update(this_build_experimental(fa_only_chunks))
 
     def maybe_submit_lookup_request(self, request_id: str, **_: Any) -> None:
         return None
