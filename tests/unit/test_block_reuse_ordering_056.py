@@ -181,10 +181,10 @@ def _store_a_chunk(engine: Engine) -> set[int]:
     return {i for group in store.block_ids for i in group}
 
 
-def _schedule_b_over_the_pool(engine: Engine, preempted: bool = False) -> None:
+def _schedule_b_over_the_pool(engine: Engine, preempted: bool = False) -> StepResult:
     """b's whole prompt, which takes nearly every block of the pool."""
     engine.driver.add_request("b", list(range(500, 500 + B_BLOCKS * BLOCK)))
-    engine.step({"b": B_BLOCKS * BLOCK}, preempted=preempted)
+    return engine.step({"b": B_BLOCKS * BLOCK}, preempted=preempted)
 
 
 def _assert_a_stored_its_own_bytes(engine: Engine) -> None:
@@ -277,3 +277,23 @@ def test_a_silent_server_that_answers_the_heartbeat_stops_the_engine(
     with pytest.raises(RuntimeError, match="Stopping the engine"):
         _schedule_b_over_the_pool(engine, preempted=True)
     assert a_blocks
+
+
+@pytest.mark.feature
+def test_a_store_of_a_server_answering_nothing_is_given_up_once(engine: Engine) -> None:
+    waits: list[float | None] = []
+
+    class NeverCopies(MessagingFuture[bool]):
+        def wait(self, timeout: float | None = None) -> bool:
+            waits.append(timeout)
+            return False
+
+    engine.adapter._mq_timeout = 0.1  # noqa: SLF001
+    engine.server.submit_store = lambda *_: NeverCopies()
+    _store_a_chunk(engine)
+    call_server_dead(engine.adapter)  # it answers neither the store nor the heartbeat
+    engine.driver.preempt("a")
+    step = _schedule_b_over_the_pool(engine, preempted=True)
+    assert len(waits) == 1
+    engine.worker.handle_preemptions(step.metadata)  # the same blocks again
+    assert len(waits) == 1, "a given-up store delays every later step"
