@@ -22,7 +22,7 @@ pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_layout_purge")
 
 from fs_l2_driver import open_adapter, store  # noqa: E402
 
-pytestmark = pytest.mark.feature
+pytestmark = [pytest.mark.bases("0.5.3", "0.5.6"), pytest.mark.feature]
 
 MODEL = "hybrid"
 LIVE, OLD = "0123456789abcdef", "fedcba9876543210"
