@@ -432,7 +432,7 @@ def run_phase(cfg: LoadConfig, env: dict[str, str], model_dir: Path, phase: int)
             cfg.python, env, port, cfg.case.chunk, wd / "l2", log, l1_size_gb=cfg.l1_size_gb
         )
         spec = phase_spec(cfg, model_dir, port, phase, wd)
-        # the engine's start (a fresh node's first pays the JIT), load, drain and stores
+        # the engine's start (a fresh machine's first engine pays the JIT), load, drain and stores
         timeout = 420.0 + cfg.phase_s + DRAIN_S + 60.0
         eng = run_engine(cfg.python, env, spec, wd, f"load{phase}", timeout)
         meta.update({k: eng.get(k) for k in ("ok", "engine_up_s", "load", "l2_wait", "rc")})
