@@ -1,14 +1,16 @@
-"""lmcache 0.5.6: a hybrid model is refused on an L2 tier with the unverified fs_native adapter.
+"""lmcache 0.5.6: a hybrid model is refused on an L2 tier with an unverified persistent adapter.
 
 fs_native (LMCache's C++ disk connector) publishes an object with nothing a load can check:
-a torn, failed or replaced object file of the right size is served as KV. Pristine 0.5.6
+a torn, failed or replaced object file of the right size is served as KV; so do hf3fs,
+nixl_native, nixl_store_dynamic and raw_block (patch 0008 lists why). Pristine 0.5.6
 restores whatever bytes it finds there. The patched server logs one error naming the
-adapter and the fs adapter, stores nothing for the hybrid model and answers its lookups
-with a miss; a dense model keeps pristine behaviour.
+adapter configured and the fs adapter, stores nothing for the hybrid model and answers its
+lookups with a miss; a dense model keeps pristine behaviour, and an in-memory adapter
+does not refuse a hybrid.
 
-A real server context (MPCacheServerContext with the real fs_native adapter on tmp_path),
-its real transfer and lookup modules, and a 3:1 GDN:FA hybrid registered through vLLM's
-own allocation and LMCache's connector edits (vllm_kv_alloc).
+A real server context (MPCacheServerContext with a real L2 adapter on tmp_path), its real
+transfer and lookup modules, and a 3:1 GDN:FA hybrid registered through vLLM's own
+allocation and LMCache's connector edits (vllm_kv_alloc).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.bases("0.5.6")
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter")
 
-from fs_l2_driver import wait_for  # noqa: E402
+from fs_l2_driver import Buf, wait_for  # noqa: E402
 from vllm_kv_alloc import _Wrapper, build_registration  # noqa: E402
 
 MODEL = "org/hybrid"
@@ -50,7 +52,7 @@ class Recorder:
 class Server:
     """One server context over an fs_native L2 folder, with its transfer and lookup modules."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, l2_adapter: str | None = None) -> None:
         from lmcache.v1.distributed.config import parse_args
         from lmcache.v1.multiprocess.engine_context import MPCacheServerContext
         from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import (
@@ -65,7 +67,7 @@ class Server:
                 "--eviction-policy",
                 "LRU",
                 "--l2-adapter",
-                f'{{"type":"fs_native","base_path":"{base}"}}',
+                l2_adapter or f'{{"type":"fs_native","base_path":"{base}"}}',
             ]  # fmt: skip
         )
         self.base = base
@@ -123,21 +125,38 @@ class Server:
         number of objects."""
         registry = self.ctx.layout_desc_registry
         descs = registry.find_group_layout_descs(MODEL, 1)
-        keys = self.ctx.resolve_obj_keys(self.key("seed", worker_id=0), sorted(descs))
-        objs, flat = [], []
+        keys = self._layout_keys(sorted(descs))
+        bufs, flat = [], []
         for gid, group_keys in enumerate(keys):
             nbytes = sum(
                 _numel(shape) * dtype.itemsize
                 for shape, dtype in zip(descs[gid].shapes, descs[gid].dtypes, strict=True)
             )
             for k in group_keys:
-                objs.append(_HostBytes(bytes([fill]) * nbytes))
+                bufs.append(Buf(bytes([fill]) * nbytes))
                 flat.append(k)
         # The server's store controller consumes the adapter's completions: wait for
         # the files instead.
-        self.l2.submit_store_task(flat, objs)
+        self.l2.submit_store_task(flat, [b.obj for b in bufs])
         wait_for(lambda: self._files() >= len(flat) or None, "seeding the fs_native folder")
         return len(flat)
+
+    def _layout_keys(self, group_ids: list[int]) -> Any:
+        """The keys of TOKENS as the registered layout keys them: under its layout
+        fingerprint where the build has one (what any other server or an earlier run of
+        this layout stores), not the namespace of a refusal."""
+        seed = self.key("seed", worker_id=0)
+        try:
+            from lmcache.v1.distributed import layout_namespace as ns
+        except ImportError:  # pristine: no layout namespace
+            return self.ctx.resolve_obj_keys(seed, group_ids)
+        registry = self.ctx.layout_desc_registry
+        previous = ns.split_model_name(ns.namespaced_model_name(MODEL, 1))[1]
+        ns.set_layout_namespace(MODEL, 1, registry._registry[(MODEL, 1)].fingerprint)
+        try:
+            return self.ctx.resolve_obj_keys(seed, group_ids)
+        finally:
+            ns.set_layout_namespace(MODEL, 1, previous)
 
     def _files(self) -> int:
         return sum(1 for p in self.base.rglob("*") if p.is_file() and ".tmp" not in p.name)
@@ -167,18 +186,6 @@ def _numel(shape: Any) -> int:
     return n
 
 
-class _HostBytes:
-    """A host buffer for the adapter (LMCache's TensorMemoryObj over a CPU tensor)."""
-
-    def __init__(self, data: bytes) -> None:
-        from fs_l2_driver import Buf
-
-        self._buf = Buf(data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._buf.obj, name)
-
-
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
     srv = Server(tmp_path / "l2")
@@ -186,6 +193,30 @@ def server(tmp_path: Path) -> Iterator[Server]:
         yield srv
     finally:
         srv.close()
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[Any]:
+    """Servers over an L2 adapter spec; ``{base}`` in it is a fresh folder of tmp_path."""
+    servers: list[Server] = []
+
+    def make(spec: str) -> Server:
+        base = tmp_path / f"l2-{len(servers)}"
+        base.mkdir()
+        servers.append(Server(base, spec.replace("{base}", str(base))))
+        return servers[-1]
+
+    yield make
+    for srv in servers:
+        srv.close()
+
+
+def _refusals(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer
+
+    recorder = Recorder()
+    monkeypatch.setattr(lmcache_driven_transfer, "logger", recorder)
+    return recorder
 
 
 @pytest.mark.fix
@@ -197,31 +228,59 @@ def test_a_hybrid_model_never_restores_an_unverified_fs_native_object(server):
 
 @pytest.mark.fix
 def test_the_refusal_is_one_error_naming_the_adapter_and_the_safe_one(server, monkeypatch):
-    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer
-
-    recorder = Recorder()
-    monkeypatch.setattr(lmcache_driven_transfer, "logger", recorder)
-    server.register(hybrid=True)
-    server.transfer.unregister_kv_cache(1)
+    recorder = _refusals(monkeypatch)
     server.register(hybrid=True)
     refusals = [e for e in recorder.errors if "fs_native" in e]
     assert len(refusals) == 1, recorder.errors
     assert MODEL in refusals[0] and '"type":"fs"' in refusals[0]
 
 
-def test_a_dense_model_keeps_its_fs_native_hits(server):
-    server.register(hybrid=False)
-    assert server.seed_l2(0x5A) > 0
-    assert server.hit_chunks("r1") == NUM_CHUNKS
+# The refused adapters this environment cannot run (each needs a native extension or a
+# mount), as a load would meet them: the real config the server parses, listed by its
+# storage manager beside the fs_native adapter it runs.
+UNBUILT = {
+    "hf3fs": lambda base: {"mount_point": str(base), "base_paths": str(base / "a")},
+    "nixl_native": lambda base: {"backend": "POSIX", "backend_params": {}},
+    "raw_block": lambda base: {"device_path": str(base / "dev"), "slot_bytes": 1 << 20},
+}
 
 
-@pytest.mark.feature
-def test_a_refused_hybrid_model_stores_nothing(server):
-    server.register(hybrid=True)
-    blocks = [list(range(1, NUM_CHUNKS + 1)) for _ in range(4)]
-    handle, ok, committed = server.transfer.store_with_chunk_mask(
-        server.key("w1", worker_id=0), 1, blocks, b""
+@pytest.mark.fix
+@pytest.mark.parametrize("adapter", sorted(UNBUILT))
+def test_the_refusal_names_each_unverified_adapter_configured(
+    server, adapter, tmp_path, monkeypatch
+):
+    from lmcache.v1.distributed.l2_adapters.config import get_l2_adapter_config_class
+    from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
+
+    (tmp_path / "a").mkdir()
+    config = get_l2_adapter_config_class(adapter).from_dict(UNBUILT[adapter](tmp_path))
+    _fs_native, running = server.ctx.storage_manager.l2_adapters()[0]
+    monkeypatch.setattr(
+        server.ctx.storage_manager,
+        "l2_adapters",
+        lambda: [(L2AdapterDescriptor(index=0, config=config), running)],
     )
-    assert (handle, ok, committed) == (b"", True, [False] * NUM_CHUNKS)
-    time.sleep(0.2)
-    assert server._files() == 0
+    recorder = _refusals(monkeypatch)
+    server.register(hybrid=True)
+    refusals = [e for e in recorder.errors if adapter in e]
+    assert len(refusals) == 1, recorder.errors
+    assert "fs_native" not in refusals[0] and '"type":"fs"' in refusals[0]
+
+
+@pytest.mark.fix
+def test_the_refusal_names_the_adapter_a_fault_injector_wraps(make_server, monkeypatch):
+    server = make_server(
+        '{"type":"fault_inject","rate":0.0,"inner":{"type":"fs_native","base_path":"{base}"}}'
+    )
+    recorder = _refusals(monkeypatch)
+    server.register(hybrid=True)
+    assert [e for e in recorder.errors if "fault_inject(fs_native)" in e], recorder.errors
+
+
+def test_a_hybrid_model_is_not_refused_on_the_in_memory_mock_adapter(make_server, monkeypatch):
+    server = make_server('{"type":"mock","max_size_gb":0.25,"mock_bandwidth_gb":100}')
+    recorder = _refusals(monkeypatch)
+    server.register(hybrid=True)
+    assert recorder.errors == []
+    assert not getattr(server.transfer._cache_contexts[1], "refused", False)
