@@ -1,6 +1,9 @@
-"""LMCache's resp L2 adapter (its C++ Redis client) on a real redis-server, one task at a
-time: a task whose objects have different sizes, as a hybrid layout's FA and
-recurrent-state object groups do."""
+"""LMCache's resp L2 adapter on a real redis-server, one task at a time: a task whose
+objects have different sizes, as a hybrid layout's FA and recurrent-state object groups
+do, stores and loads every object. On the patched builds the adapter drives the series'
+own Python RESP client, which takes each object's size on its own; pristine drives
+LMCache's C++ Redis client, which takes one size per native batch. The adapter's
+batching by size against that rule is tested in test_native_batch.py."""
 
 from __future__ import annotations
 
