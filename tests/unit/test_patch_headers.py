@@ -1,6 +1,6 @@
 """The series' headers are true DEP-3 and the series applies exactly.
 
-Every patch in patches/series is a ``git format-patch`` file whose message is a DEP-3 header:
+Every patch in patches/series (the 0.5.3 base) and bases/0.5.6/patches/series is a ``git format-patch`` file whose message is a DEP-3 header:
 a ``From:`` naming the project and an address, a real ``Date:``, a Description, a Forwarded
 value DEP-3 reads as intended (``no``, ``not-needed`` or the URL it was sent to), and a
 Last-Update. A header may point back to an earlier patch, never forward, and names the tests
@@ -21,12 +21,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCHES = ROOT / "patches"
-SERIES = [line.strip() for line in (PATCHES / "series").read_text().splitlines() if line.strip()]
+
+
+def _series(folder: Path) -> list[str]:
+    return [line.strip() for line in (folder / "series").read_text().splitlines() if line.strip()]
+
+
+SERIES = _series(PATCHES)
+# Both bases' patches, by their path from the checkout root.
+ALL_SERIES = [f"patches/{n}" for n in SERIES]
+ALL_SERIES += [f"bases/0.5.6/patches/{n}" for n in _series(ROOT / "bases/0.5.6/patches")]
 
 
 def _header(name: str) -> str:
     """The mail header and message of a patch, up to its diffstat."""
-    text = (PATCHES / name).read_text()
+    text = (ROOT / name).read_text()
     return text[: text.index("\n---\n")]
 
 
@@ -36,7 +45,7 @@ def _field(header: str, name: str) -> str | None:
     return " ".join(m.group(1).split()) if m else None
 
 
-@pytest.mark.parametrize("name", SERIES)
+@pytest.mark.parametrize("name", ALL_SERIES)
 def test_header_names_the_project_and_real_dates(name: str) -> None:
     header = _header(name)
     author = _field(header, "From")
@@ -47,7 +56,7 @@ def test_header_names_the_project_and_real_dates(name: str) -> None:
     assert datetime.date(2026, 11, 1) <= date.date() <= last_update
 
 
-@pytest.mark.parametrize("name", SERIES)
+@pytest.mark.parametrize("name", ALL_SERIES)
 def test_header_has_a_description_and_a_true_forwarded_value(name: str) -> None:
     header = _header(name)
     assert len(_field(header, "Description") or "") > 80
@@ -55,9 +64,9 @@ def test_header_has_a_description_and_a_true_forwarded_value(name: str) -> None:
     assert re.match(r"(no|not-needed)\b|https?://", forwarded), forwarded
 
 
-@pytest.mark.parametrize("name", SERIES)
+@pytest.mark.parametrize("name", ALL_SERIES)
 def test_header_points_only_to_earlier_patches(name: str) -> None:
-    number = int(name[:4])
+    number = int(Path(name).name[:4])
     message = " ".join(_header(name).split("\nDescription: ", 1)[1].split())
     named = {
         int(n)
@@ -67,7 +76,7 @@ def test_header_points_only_to_earlier_patches(name: str) -> None:
     assert all(1 <= n < number for n in named), sorted(named)
 
 
-@pytest.mark.parametrize("name", SERIES)
+@pytest.mark.parametrize("name", ALL_SERIES)
 def test_header_names_tests_that_exist(name: str) -> None:
     tests = _field(_header(name), "Description") or ""
     named = set(re.findall(r"\b(?:tests/unit/)?(test_\w+\.py)", tests))
@@ -75,7 +84,7 @@ def test_header_names_tests_that_exist(name: str) -> None:
     assert all((ROOT / "tests" / "unit" / t).is_file() for t in named), sorted(named)
 
 
-@pytest.mark.parametrize("name", SERIES)
+@pytest.mark.parametrize("name", ALL_SERIES)
 def test_header_carries_no_history(name: str) -> None:
     header = _header(name)
     assert not re.search(r"\brevision \d+|\bmeasured\b|\bH200\b|GB/s", header, re.I)
