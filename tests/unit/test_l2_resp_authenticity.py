@@ -1,9 +1,10 @@
 """Whoever can write to the resp tier's Redis cannot change what a server restores, and
-the adapter reaches Redis with a password, an ACL user or TLS from its config.
+the adapter reaches Redis with a password, an ACL user or TLS from its config (both bases).
 
 Each value is the object's bytes and a tag keyed by the L2 tier's secret (over the Redis
-key and the bytes); a value whose tag does not verify is a miss. Pristine 0.5.3 stores
-the bytes alone and restores whatever a key holds, if its size is right.
+key and the bytes); a value whose tag does not verify is a miss. Pristine 0.5.3 and 0.5.6
+store the bytes alone and restore whatever a key holds, if its size is right; 0.5.6 carries
+AUTH but has no TLS.
 
 LMCache's real resp adapter on a real redis-server (fixture ``redis``).
 """
@@ -26,6 +27,8 @@ from fs_l2_driver import Buf  # noqa: E402
 
 from hybridfa_gate import l2 as l2_tiers  # noqa: E402
 from hybridfa_gate.l2 import RedisServer  # noqa: E402
+
+pytestmark = pytest.mark.bases("0.5.3", "0.5.6")
 
 SIZE = 16 << 10
 

@@ -1,10 +1,13 @@
 """A resp L2 key gone between lookup and load is a miss for that load, and the adapter
-serves on; so does a Redis that stops answering for a while, or restarts.
+serves on; so does a Redis that stops answering for a while, or restarts; a Redis it cannot
+reach refuses its start (both bases).
 
-LMCache 0.5.3's C++ Redis client reads a GET reply as the size header it expects: for a
-key that is gone (evicted, expired, flushed: ``$-1``) it waits forever for the bytes that
-never come, and once as many keys as it has connection workers are gone, every later L2
-request of the server waits too. It also has no timeout and connects each worker once.
+LMCache's C++ Redis client (0.5.3's, and 0.5.6's LMCacheRedisClient) reads a GET reply as
+the size header it expects: for a key that is gone (evicted, expired, flushed: ``$-1``) it
+waits forever for the bytes that never come, and once as many keys as it has connection
+workers are gone, every later L2 request of the server waits too. It also has no timeout
+and connects each worker once. The patched adapters drive the series' Python RESP2 client
+(resp_client).
 
 LMCache's real resp adapter on a real redis-server (fixture ``redis``), one task at a
 time. Every wait is bounded: a load that does not complete is a test failure.
@@ -25,18 +28,21 @@ from fs_l2_driver import Buf  # noqa: E402
 
 from hybridfa_gate.l2 import RedisServer  # noqa: E402
 
+pytestmark = pytest.mark.bases("0.5.3", "0.5.6")
+
 SIZE = 64 << 10
 WORKERS = 2
 TIMEOUT_S = 1.0  # the adapter's: how long a request waits for Redis to answer
 
 
-def open_adapter(redis: RedisServer) -> Any:
+def open_adapter(port: int) -> Any:
+    """The resp adapter on 127.0.0.1:port (pristine's config ignores timeout_s)."""
     from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import (
         RESPL2AdapterConfig,
         _create_resp_l2_adapter,
     )
 
-    config = {"host": "127.0.0.1", "port": redis.port, "num_workers": WORKERS}
+    config = {"host": "127.0.0.1", "port": port, "num_workers": WORKERS}
     return _create_resp_l2_adapter(
         RESPL2AdapterConfig.from_dict({**config, "timeout_s": TIMEOUT_S})
     )
@@ -44,7 +50,7 @@ def open_adapter(redis: RedisServer) -> Any:
 
 @pytest.fixture
 def adapter(redis: RedisServer) -> Iterator[Any]:
-    adp = open_adapter(redis)
+    adp = open_adapter(redis.port)
     try:
         yield adp
     finally:
@@ -184,3 +190,17 @@ def test_connections_redis_closed_while_idle_are_replaced(adapter, redis):
         client.command("CONFIG", "SET", "timeout", 1)  # close clients idle for 1 s
         time.sleep(2.5)
     assert loaded_exactly(adapter, stored), "a load on connections redis closed failed"
+
+
+@pytest.mark.fix
+def test_an_adapter_whose_redis_does_not_answer_refuses_to_start() -> None:
+    from hybridfa_gate.l2 import free_port
+
+    port = free_port()  # nothing listens there
+    try:
+        adp = open_adapter(port)
+    except RuntimeError as error:
+        assert f"127.0.0.1:{port}" in str(error), str(error)
+    else:
+        adp.close()
+        pytest.fail(f"the adapter started on 127.0.0.1:{port}, where no Redis answers")

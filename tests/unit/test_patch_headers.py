@@ -1,11 +1,11 @@
 """The series' headers are true DEP-3 and the series applies exactly.
 
-Every patch in patches/series (the 0.5.3 base) and bases/0.5.6/patches/series is a ``git format-patch`` file whose message is a DEP-3 header:
-a ``From:`` naming the project and an address, a real ``Date:``, a Description, a Forwarded
-value DEP-3 reads as intended (``no``, ``not-needed`` or the URL it was sent to), and a
-Last-Update. A header may point back to an earlier patch, never forward, and names the tests
-that pin it, which must exist. History and measurements live in CHANGELOG.md and
-docs/results.md, not in headers.
+Every patch in patches/series (the 0.5.3 base) and bases/0.5.6/patches/series is a ``git
+format-patch`` file whose message is a DEP-3 header: a ``From:`` naming the project and an
+address, a real ``Date:``, a Description, a Forwarded value DEP-3 reads as intended (``no``,
+``not-needed`` or the URL it was sent to), and a Last-Update. A header may point back to an
+earlier patch of its series, never forward, and names the tests that pin it, which must
+exist. History and measurements live in the changelogs and docs/results.md, not in headers.
 """
 
 from __future__ import annotations
