@@ -69,6 +69,18 @@ def objects_within(server: RealServer, count: int, timeout: float) -> int:
     return server.l2_objects()
 
 
+def tier_quiet(server: RealServer, quiet_s: float = 0.5, timeout: float = 10.0) -> None:
+    """Until the tier's object count has not changed for ``quiet_s`` (the adapter's writes,
+    and Redis' evictions, have ended), or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last, since = server.l2_objects(), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
+        time.sleep(0.05)
+        now = server.l2_objects()
+        if now != last:
+            last, since = now, time.monotonic()
+
+
 # ---------------------------------------------------------------------------------------
 # Byte-exact restores across nodes
 
@@ -232,7 +244,7 @@ def test_redis_evicting_under_maxmemory_restores_exactly_or_misses(resp_servers,
     prompts = [tokens(first) for first in (1000, 20000, 40000, 60000)]
     for i, prompt in enumerate(prompts):
         assert a.store(f"store-{i}", prompt, store_ids())
-        time.sleep(0.2)
+        tier_quiet(a)  # each prompt's writes end before the next: LRU order is store order
     a.close()
     assert redis_info(redis, "evicted_keys") > 0, "redis evicted nothing: raise the load"
     # Reads grow Redis' output buffers, so it may evict a key between a lookup and its
