@@ -42,7 +42,8 @@ from hybridfa_gate.prompts import (
 LORA_MODES = ("", "other", "each")
 # The lmcache release a build is based on (``run.lmcache_base``): each base has its own series.
 DEFAULT_BASE = "0.5.3"
-# Bases whose patched build refuses a hybrid layout on an fs_native tier (both series do).
+# Bases whose patched build refuses a hybrid layout on an fs_native tier, or on a CUDA server
+# whose compiled copy kernels did not load (both series do).
 REFUSING_BASES = ("0.5.3", "0.5.6")
 
 
@@ -122,22 +123,24 @@ class Case:
         head = f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}"
         return f"{head}{fa}{mbt}{mtp}{turn}{l2}{kv}{lora}{forged}{sog}{tp}"
 
-    def mode(self, arm: str, base: str = DEFAULT_BASE) -> str:
+    def mode(self, arm: str, base: str = DEFAULT_BASE, kernels: bool = True) -> str:
         """What a pass means for this case on ``arm`` of ``base`` (judge.py): "restore", the
         stored KV restored exactly; "refused", the patched server refuses the layout (an
-        fs_native tier), so the restore misses; "miss", what was stored means other values
-        after the restart, so the restore misses; "forged", the restore misses from the forged
-        object on."""
-        if arm == "patched" and self.l2 == "fs_native" and base in REFUSING_BASES:
+        fs_native tier, or ``kernels`` false: LMCache's compiled copy kernels did not load),
+        so the restore misses; "miss", what was stored means other values after the restart,
+        so the restore misses; "forged", the restore misses from the forged object on."""
+        refusing = arm == "patched" and base in REFUSING_BASES
+        if refusing and (self.l2 == "fs_native" or not kernels):
             return "refused"
         if self.restore_kv_dtype is not None:
             return "miss"
         return "forged" if self.forged else "restore"
 
-    def refused_by(self, arm: str, base: str = DEFAULT_BASE) -> bool:
+    def refused_by(self, arm: str, base: str = DEFAULT_BASE, kernels: bool = True) -> bool:
         """Whether the arm's server refuses this case's hybrid layout (the patched build
-        stores nothing on an fs_native tier, and its lookups miss)."""
-        return self.mode(arm, base) == "refused"
+        stores nothing on an fs_native tier or without its compiled copy kernels, and its
+        lookups miss)."""
+        return self.mode(arm, base, kernels) == "refused"
 
     def kv_cache_dtype(self, role: str) -> str:
         """The engine's kv_cache_dtype: the store engine's, or after the restart's."""

@@ -188,11 +188,16 @@ def _check_output(out: dict[str, Any], ref: dict[str, Any], got: dict[str, Any])
 
 
 def judge_lora_b(
-    case: Case, cold: dict[str, Any], store: dict[str, Any], restore: dict[str, Any]
+    case: Case,
+    cold: dict[str, Any],
+    store: dict[str, Any],
+    restore: dict[str, Any],
+    refused: bool = False,
 ) -> dict[str, Any]:
     """Adapter B's request after A's on the same prompt in the restore engine: "other", B was
     never stored and must restore nothing, with the cold engine's output; "each", B restores
-    its own KV: the store engine's bytes and output, the hit bar of (c)."""
+    its own KV: the store engine's bytes and output, the hit bar of (c). ``refused``: the
+    server refused the layout, so B restores nothing either way."""
     got = restore.get("second") or {}
     ref = (store if case.lora == "each" else cold).get("second") or {}
     out: dict[str, Any] = {"errors": []}
@@ -202,7 +207,7 @@ def judge_lora_b(
     hit, local = connector_hit(got)
     out.update(hit_tokens=hit, local_hit_tokens=local)
     out["b"] = _check_output(out, ref, got)
-    if case.lora == "other":
+    if case.lora == "other" or refused:
         out.update(a=True, c=hit == 0)
         return out
     kv = compare_kv_hashes(ref.get("kv_hashes"), got.get("kv_hashes"), hit)
@@ -222,10 +227,11 @@ def evaluate_case(
     restore: Result,
     arm: str = "patched",
     base: str = DEFAULT_BASE,
+    kernels: bool = True,
 ) -> dict[str, Any]:
-    """The criteria of the case's mode on ``arm`` of ``base`` plus validity checks, from the
-    three engines' results."""
-    mode = case.mode(arm, base)
+    """The criteria of the case's mode on ``arm`` of ``base`` (``kernels``: whether its
+    compiled copy kernels load) plus validity checks, from the three engines' results."""
+    mode = case.mode(arm, base, kernels)
     out: dict[str, Any] = {"errors": [], "refused": mode == "refused", "mode": mode}
     out["judged"] = JUDGED[mode]
     for role, r in (("cold", cold), ("store", store), ("restore", restore)):
@@ -299,7 +305,7 @@ def evaluate_case(
         health_matches_cold=health.get("tokens") == cold.get("health", {}).get("tokens"),
     )
     if case.lora:
-        out["lora_b"] = second = judge_lora_b(case, cold, store, restore)
+        out["lora_b"] = second = judge_lora_b(case, cold, store, restore, mode == "refused")
         out["errors"] += second.pop("errors")
     judge_c(out, case, mode)
     out["e"] = out["health_ok"]
@@ -341,7 +347,7 @@ def run_errors(rec: dict[str, Any]) -> list[str]:
         errors.append(rec["forge_error"])
     if rec.get("expect_refusal"):
         if not (rec.get("server1") or {}).get("refusals"):
-            errors.append(f"the server did not log its refusal ({REFUSAL!r})")
+            errors.append(f"the server did not log its refusal ({REFUSAL.pattern!r})")
         if (rec.get("l2_after_kill") or {}).get("objects"):
             errors.append("the server stored objects of a layout it refused")
     return errors

@@ -31,8 +31,13 @@ SERVER_BOOT = (
     "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"
 )
 STORE_FAILED = "Cannot store keys due to exception"
-# The patched server's registration error: a hybrid layout on a server with an fs_native tier.
-REFUSAL = "publishes objects without an integrity check"
+# The patched server's registration errors: a hybrid layout on a server with an unverified
+# persistent L2 tier (worded "publishes" before revision 16), or on a CUDA server without
+# LMCache's compiled copy kernels.
+REFUSAL = re.compile(
+    r"(?:loads|publishes) objects without an integrity check"
+    r"|its copies would run on LMCache's Python fallback"
+)
 # An L2 adapter found an object that failed its check (short, damaged, forged, written
 # under another tier secret): a miss.
 L2_DISCARD = re.compile(
@@ -223,7 +228,7 @@ def server_log_facts(text: str) -> dict[str, Any]:
         "prefetch": pre[-1] if pre else None,
         "errors": len(re.findall(r"\bERROR\b|Traceback", text)),
         "store_failures": text.count(STORE_FAILED),
-        "refusals": text.count(REFUSAL),
+        "refusals": len(REFUSAL.findall(text)),
         "l2_discards": len(L2_DISCARD.findall(text)),
     }
 

@@ -72,7 +72,9 @@ class ColdRuns:
             return self.results[key]
 
 
-def case_record(case: Case, arm: str, base: str = DEFAULT_BASE) -> dict[str, Any]:
+def case_record(
+    case: Case, arm: str, base: str = DEFAULT_BASE, kernels: bool = True
+) -> dict[str, Any]:
     """A case's settings, as its report record starts."""
     rec: dict[str, Any] = {"case": case.case_id, "model": case.model, "family": case.spec.family}
     rec.update(geometry=asdict(case.geometry), layout=case.layout, chunk=case.chunk)
@@ -82,8 +84,9 @@ def case_record(case: Case, arm: str, base: str = DEFAULT_BASE) -> dict[str, Any
     dtype = case.kv_dtype
     if case.restore_kv_dtype is not None:
         dtype += f" -> {case.restore_kv_dtype}"
-    rec.update(kv_cache_dtype=dtype, lora=case.lora, forged=case.forged, mode=case.mode(arm, base))
-    rec.update(server_args=list(case.server_args), expect_refusal=case.refused_by(arm, base))
+    mode = case.mode(arm, base, kernels)
+    rec.update(kv_cache_dtype=dtype, lora=case.lora, forged=case.forged, mode=mode)
+    rec.update(server_args=list(case.server_args), expect_refusal=mode == "refused")
     rec["expected_chunk_bytes"] = expected_chunk_bytes(
         case.spec, case.chunk, case.tp, case.kv_dtype
     )
@@ -105,7 +108,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             for n in lora.SEEDS
         }
     env = child_env(rc.lmcache_dir, case.layout)
-    rec = case_record(case, rc.arm, rc.base)
+    rec = case_record(case, rc.arm, rc.base, rc.kernels)
     cold_spec = engine_spec(case, "cold", model_dir, rc, None, None, adapters=adapters)
     run_cold = functools.partial(run_engine, rc.python, env, cold_spec, wd, "cold")
     cold = cold_runs.get_or_run(cold_key(case), lambda: run_cold(rc.engine_timeout))
@@ -161,7 +164,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             kill_group(s)
         if redis is not None:
             redis.close()
-    ev = evaluate_case(case, cold, store, restore, rc.arm, rc.base)
+    ev = evaluate_case(case, cold, store, restore, rc.arm, rc.base, rc.kernels)
     rec["eval"] = add_errors(ev, run_errors(rec))
     engines = {"cold": cold, "store": store, "restore": restore}
     rec["engines"] = {role: slim(r) for role, r in engines.items()}
@@ -194,6 +197,12 @@ for mod in ("vllm", "torch", "flashinfer", "lmcache"):
             except md.PackageNotFoundError:
                 out["lmcache_dist"] = None
             out["lmcache_path"] = m.__path__[0]
+            # Whether a CUDA server would copy with the compiled kernels (0.5.6:
+            # lmcache.device_ops; 0.5.3: lmcache.c_ops); None without a GPU.
+            ops = getattr(m, "device_ops", None) or importlib.import_module("lmcache.c_ops")
+            native = hasattr(ops, "execute_object_group_transfer")
+            cuda = importlib.import_module("torch").cuda.is_available()
+            out["lmcache_compiled_kernels"] = native if cuda else None
         if mod == "torch":
             out["cuda"] = m.version.cuda
     except Exception as e:  # noqa: BLE001
@@ -305,6 +314,7 @@ def run_matrix(
         flush()
         return report
     rc.base = report["base"] = lmcache_base(report["versions"])
+    rc.kernels = report["versions"].get("lmcache_compiled_kernels") is not False
     cold_runs = ColdRuns()
     lock = threading.Lock()
     order = {c.case_id: i for i, c in enumerate(cases)}

@@ -45,6 +45,7 @@ class RunConfig:
     keep_l2: bool = False
     work: Path = field(default_factory=lambda: Path("/tmp/hybridfa-gate"))
     base: str = DEFAULT_BASE  # the lmcache release under test (set from the engines' view)
+    kernels: bool = True  # whether LMCache's compiled copy kernels load (the engines' view)
 
 
 def base_spec(
@@ -146,7 +147,7 @@ def store_spec(
     seeds = (WARM_RESTORE_SEED, *(r for r, _ in D_REPEAT_SEEDS))
     spec["also_store"] = [make_prompt(case.prompt_tokens, seed=s) for s in seeds]
     spec["l2_min_objects"] += len(seeds) * (case.prompt_tokens // case.chunk) * case.tp
-    if case.refused_by(rc.arm, rc.base):  # the server stores nothing of a layout it refuses
+    if case.refused_by(rc.arm, rc.base, rc.kernels):  # a refused layout: nothing is stored
         spec["l2_min_objects"] = 0
     return spec
 

@@ -193,3 +193,12 @@ def test_new_fields_leave_every_earlier_case_id_as_it_was() -> None:
     assert plain.case_id == "olmo-r5-NHD-c1N-offset"
     assert plain.mode("patched") == "restore" and plain.server_args == ()
     assert plain.kv_cache_dtype("restore") == "auto"
+
+
+def test_without_compiled_kernels_the_patched_server_refuses_every_case() -> None:
+    """A CUDA server whose compiled copy kernels did not load (torch 2.13 under the 0.5.3
+    base) refuses every hybrid layout on either base; pristine serves it on the fallback."""
+    for case in select_cases("quick") + select_cases("identity"):
+        for base in ("0.5.3", "0.5.6"):
+            assert case.refused_by("patched", base, kernels=False), case.case_id
+            assert not case.refused_by("pristine", base, kernels=False), case.case_id

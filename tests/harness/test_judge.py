@@ -314,7 +314,7 @@ def test_a_refused_case_with_a_hit_fails_c() -> None:
 def test_a_refusal_the_server_never_logged_or_that_stored_objects_is_an_error() -> None:
     rec = {"expect_refusal": True, "server1": {"refusals": 0}, "l2_after_kill": {"objects": 3}}
     errors = judge.run_errors(rec)
-    assert len(errors) == 2 and judge.REFUSAL in errors[0]
+    assert len(errors) == 2 and judge.REFUSAL.pattern in errors[0]
     logged = {"expect_refusal": True, "server1": {"refusals": 1}, "l2_after_kill": {"objects": 0}}
     assert judge.run_errors(logged) == []
 
@@ -449,3 +449,16 @@ def test_a_pristine_or_control_case_that_restored_nothing_does_not_show_the_bug(
     nothing = {"completed": True, "pass": False, "bytes_match": None}
     for arm in ("pristine", "control"):
         assert "restored nothing" in judge.gate_problems(_report(nothing), arm)[0]
+
+
+def test_a_refused_lora_case_passes_when_neither_adapter_restores() -> None:
+    (case,) = select_cases("qwen35-r5-NHD-c2N-offset-lora-each")
+    lps = [{"5": -1.0}]
+    b = {**engine([9], lps, 1.0), "lora": "B"}
+    cold = {**engine([5], lps, 2.0), "second": b}
+    store = {**engine([5], lps, 2.0), "second": b}
+    restore = {**engine([5], lps, 2.0), "second": b}
+    restore["timed_pairs"] = [{"restore": {"gen_s": 2.0, "num_cached_tokens": 0}}]
+    ev = evaluate_case(case, cold, store, restore, "patched", kernels=False)
+    assert ev["mode"] == "refused" and ev["pass"], ev
+    assert not evaluate_case(case, cold, store, restore, "patched")["pass"]

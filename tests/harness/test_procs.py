@@ -166,3 +166,16 @@ def test_the_engine_command_runs_the_packages_engine_module() -> None:
     cmd = procs.engine_command("python", Path("s.json"), Path("o.json"))
     assert cmd == ["python", "-m", "hybridfa_gate.engine_proc", "s.json", "o.json"]
     assert (REPO / "hybridfa_gate" / "engine_proc.py").is_file()
+
+
+def test_server_log_facts_count_each_refusal_of_the_patched_server() -> None:
+    log = "\n".join(
+        [
+            "ERROR: ... and this server's L2 tier includes fs_native, which loads objects "
+            "without an integrity check (a torn, failed or replaced object is served as KV).",
+            "ERROR: ... and LMCache's compiled CUDA copy kernels (lmcache.c_ops) did not load "
+            "with torch 2.13.0: its copies would run on LMCache's Python fallback, which ...",
+            "INFO: Stored 80 tokens in 0.001 seconds",
+        ]
+    )
+    assert procs.server_log_facts(log)["refusals"] == 2

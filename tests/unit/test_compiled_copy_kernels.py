@@ -1,0 +1,99 @@
+"""A hybrid layout on a CUDA server without LMCache's compiled copy kernels is refused.
+
+The 0.5.3 wheel's compiled kernels (``lmcache.c_ops``) are built against vLLM 0.26's torch;
+under vLLM 0.27 and 0.28 (torch 2.13) they do not load, and LMCache copies with a Python
+fallback. Through it, a hybrid restore on a GPU put stored blocks at other positions of
+the prompt: a 99 % hit with wrong KV. The patched server refuses such a registration with
+the cause named (it then stores nothing for the model, as for its other refusals). A whole
+CPU server (restore_server) whose cache context reports a CUDA device, as a GPU server's does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.kv_cache_interface")
+
+from hybrid_kv import build_fa_only_kv, build_hybrid_kv  # noqa: E402
+
+N, PAGE, CHUNKS, NUM_BLOCKS = 80, 16, 3, 32
+
+
+class Recorder:
+    """Stands in for the transfer module's logger; keeps the errors."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def error(self, msg: str, *args: object) -> None:
+        self.errors.append(msg % args if args else msg)
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+def _on_cuda(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> Recorder:
+    """Registrations get a cache context on a CUDA device; ``compiled``: with the compiled
+    kernels bound (as where lmcache.c_ops loads). The transfer module's errors are kept."""
+    import lmcache.c_ops as lmc_ops
+    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as transfer
+
+    real = transfer.create_cache_context
+
+    def on_cuda(*args: Any, **kwargs: Any) -> Any:
+        ctx = real(*args, **kwargs)
+        cuda = property(lambda self: torch.device("cuda", 0))
+        ctx.__class__ = type("OnCuda", (type(ctx),), {"device": cuda})
+        return ctx
+
+    monkeypatch.setattr(transfer, "create_cache_context", on_cuda)
+    if compiled:
+        monkeypatch.setattr(lmc_ops, "execute_object_group_transfer", print, raising=False)
+    recorder = Recorder()
+    monkeypatch.setattr(transfer, "logger", recorder)
+    return recorder
+
+
+def _hybrid_server(real_servers: Any, tmp_path: Path) -> Any:
+    kv = build_hybrid_kv(N, PAGE, "NHD", NUM_BLOCKS)
+    return real_servers(kv, N, tmp_path / "l2", False)
+
+
+@pytest.mark.fix
+def test_a_hybrid_layout_is_refused_without_the_compiled_kernels(
+    real_servers, tmp_path, monkeypatch
+):
+    recorder = _on_cuda(monkeypatch, compiled=False)
+    _hybrid_server(real_servers, tmp_path)
+    refusals = [e for e in recorder.errors if "lmcache.c_ops" in e]
+    assert len(refusals) == 1, recorder.errors
+    assert f"torch {torch.__version__}" in refusals[0]
+
+
+def test_a_hybrid_layout_is_served_with_the_compiled_kernels(
+    real_servers, tmp_path, monkeypatch
+):
+    recorder = _on_cuda(monkeypatch, compiled=True)
+    _hybrid_server(real_servers, tmp_path)
+    assert not [e for e in recorder.errors if "lmcache.c_ops" in e]
+
+
+def test_a_dense_layout_is_not_refused_without_the_compiled_kernels(
+    real_servers, tmp_path, monkeypatch
+):
+    recorder = _on_cuda(monkeypatch, compiled=False)
+    kv = build_fa_only_kv(16, "NHD", num_blocks=NUM_BLOCKS)
+    real_servers(kv, 16, tmp_path / "l2", False)
+    assert not [e for e in recorder.errors if "lmcache.c_ops" in e]
+
+
+def test_a_cpu_server_keeps_its_hits(real_servers, tmp_path):
+    server = _hybrid_server(real_servers, tmp_path)
+    tokens = list(range(1000, 1000 + CHUNKS * N + 1))
+    ids = [[1 + g * CHUNKS + i for i in range(CHUNKS)] for g in range(4)]
+    assert server.store("store", tokens, ids)
+    assert server.lookup("again", tokens[:-1]) == CHUNKS
