@@ -74,9 +74,7 @@ def test_a_hybrid_layout_is_refused_without_the_compiled_kernels(
     assert f"torch {torch.__version__}" in refusals[0]
 
 
-def test_a_hybrid_layout_is_served_with_the_compiled_kernels(
-    real_servers, tmp_path, monkeypatch
-):
+def test_a_hybrid_layout_is_served_with_the_compiled_kernels(real_servers, tmp_path, monkeypatch):
     recorder = _on_cuda(monkeypatch, compiled=True)
     _hybrid_server(real_servers, tmp_path)
     assert not [e for e in recorder.errors if "lmcache.c_ops" in e]
