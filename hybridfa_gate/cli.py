@@ -76,6 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"{' | '.join(SET_NAMES)}, or comma-separated case ids / regexes",
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
+    ap.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=420.0,
+        help="seconds an engine may take, start to exit (raise it on a machine that still "
+        "compiles its kernels for many engines at once)",
+    )
     ap.add_argument("--jobs", type=int, default=1, help="cases run at once, each its own engines")
     ap.add_argument("--list", action="store_true", help="print the selected cases and exit")
     a = ap.parse_args(argv)
@@ -97,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.arm, a.lmcache_dir.resolve(), a.out, jobs=a.jobs, keep_l2=a.keep_l2, work=a.work
     )
     rc.gpu_memory_utilization = a.gpu_memory_utilization
+    rc.engine_timeout = a.engine_timeout
     rc.kv_cache_memory_bytes = int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None
     install_cleanup_handler()
     report = run_matrix(cases, rc, lambda rec: print(" | ".join(table_row(a.arm, rec)), flush=True))

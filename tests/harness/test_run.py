@@ -89,3 +89,19 @@ def test_the_cli_lists_cases_and_refuses_what_it_cannot_run(
         cli.main(["--arm", "patched", "--lmcache-dir", str(tmp_path), "--jobs", "2"])
     with pytest.raises(SystemExit):
         cli.main(["--cases", "nope", "--list"])
+
+
+def test_the_cli_passes_its_engine_timeout_to_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, float] = {}
+
+    def run_matrix(cases: object, rc: object, on_progress: object) -> dict:
+        seen["timeout"] = rc.engine_timeout  # type: ignore[attr-defined]
+        return {"error": "stopped here"}
+
+    monkeypatch.setattr(cli, "run_matrix", run_matrix)
+    monkeypatch.setattr(cli, "install_cleanup_handler", lambda: None)
+    argv = ["--lmcache-dir", str(tmp_path), "--cases", "quick", "--engine-timeout", "900"]
+    assert cli.main(argv) == 2
+    assert seen["timeout"] == 900.0
