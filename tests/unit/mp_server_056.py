@@ -18,19 +18,6 @@ NUM_CHUNKS = 4
 TOKENS = tuple(range(1, CHUNK * NUM_CHUNKS + 1))
 
 
-class Recorder:
-    """Stands in for a module's logger; keeps the errors."""
-
-    def __init__(self) -> None:
-        self.errors: list[str] = []
-
-    def error(self, msg: str, *args: object) -> None:
-        self.errors.append(msg % args if args else msg)
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
-
-
 class Server:
     """One server context over an fs_native L2 folder, with its transfer and lookup modules."""
 

@@ -19,21 +19,9 @@ import torch
 pytest.importorskip("vllm.v1.kv_cache_interface")
 
 from hybrid_kv import build_fa_only_kv, build_hybrid_kv  # noqa: E402
+from log_recorder import Recorder  # noqa: E402
 
 N, PAGE, CHUNKS, NUM_BLOCKS = 80, 16, 3, 32
-
-
-class Recorder:
-    """Stands in for the transfer module's logger; keeps the errors."""
-
-    def __init__(self) -> None:
-        self.errors: list[str] = []
-
-    def error(self, msg: str, *args: object) -> None:
-        self.errors.append(msg % args if args else msg)
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
 
 
 def _on_cuda(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> Recorder:

@@ -19,7 +19,8 @@ import torch
 
 pytestmark = pytest.mark.bases("0.5.6")
 
-from mp_server_056 import Recorder, Server  # noqa: E402
+from log_recorder import Recorder  # noqa: E402
+from mp_server_056 import Server  # noqa: E402
 
 MOCK = '{"type":"mock","max_size_gb":0.25,"mock_bandwidth_gb":100}'
 

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.bases("0.5.6")
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
 
 from fs_l2_driver import load, lookup, store  # noqa: E402
+from log_recorder import Recorder  # noqa: E402
 
 PAYLOAD = random.Random(56).randbytes(64 << 10)
 TRAILER_LEN = 40
@@ -77,19 +78,6 @@ DAMAGED: dict[str, Callable[[Path], None]] = {
     "oversized": _oversize,
     "appended": _appended,
 }
-
-
-class Recorder:
-    """Stands in for the fs adapter module's logger; keeps the warnings."""
-
-    def __init__(self) -> None:
-        self.warnings: list[str] = []
-
-    def warning(self, msg: str, *args: object) -> None:
-        self.warnings.append(msg % args if args else msg)
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
 
 
 def test_an_intact_object_round_trips(adapter, tmp_path):

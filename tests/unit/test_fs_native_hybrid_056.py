@@ -25,7 +25,8 @@ pytestmark = pytest.mark.bases("0.5.6")
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter")
 
-from mp_server_056 import MODEL, Recorder, Server  # noqa: E402
+from log_recorder import Recorder  # noqa: E402
+from mp_server_056 import MODEL, Server  # noqa: E402
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.bases("0.5.3", "0.5.6")
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
 
 from fs_l2_driver import load, open_adapter, store  # noqa: E402
+from log_recorder import Recorder  # noqa: E402
 
 PAYLOAD = random.Random(1).randbytes(64 << 10)
 FORGED = random.Random(2).randbytes(64 << 10)
@@ -48,19 +49,6 @@ def unkeyed_trailer(payload: bytes, name: str) -> bytes:
     import blake3
 
     return b"LMCHFA1\x00" + blake3.blake3(payload + name.encode()).digest()
-
-
-class Recorder:
-    """Stands in for the fs adapter module's logger; keeps the warnings."""
-
-    def __init__(self) -> None:
-        self.warnings: list[str] = []
-
-    def warning(self, msg: str, *args: object) -> None:
-        self.warnings.append(msg % args if args else msg)
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
 
 
 @pytest.mark.fix

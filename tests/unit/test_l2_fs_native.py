@@ -26,6 +26,7 @@ pytest.importorskip("vllm.v1.kv_cache_interface")
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter")
 
 from hybrid_kv import build_fa_only_kv, build_hybrid_kv  # noqa: E402
+from log_recorder import Recorder  # noqa: E402
 from restore_server import BASE, BLOCKS, restored_blocks  # noqa: E402
 
 N, PAGE, CHUNKS, NUM_BLOCKS = 80, 16, 3, 32
@@ -62,19 +63,6 @@ def test_a_dense_model_over_fs_native_keeps_its_hits(real_servers, tmp_path):
 # The other adapters that load persistent objects unchecked: raw_block (slot header and
 # payload written apart) and nixl_store_dynamic (files renamed into place without fsync,
 # files found on disk served), and fault_inject judged by the adapter it wraps.
-
-
-class Recorder:
-    """Stands in for the transfer module's logger; keeps the errors."""
-
-    def __init__(self) -> None:
-        self.errors: list[str] = []
-
-    def error(self, msg: str, *args: object) -> None:
-        self.errors.append(msg % args if args else msg)
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
 
 
 def _refusals(monkeypatch: pytest.MonkeyPatch) -> Recorder:

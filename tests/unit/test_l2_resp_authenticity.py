@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.resp_l2_adapter")
 
 from fs_l2_driver import Buf  # noqa: E402
+from log_recorder import Recorder  # noqa: E402
 
 from hybridfa_gate import l2 as l2_tiers  # noqa: E402
 from hybridfa_gate.l2 import RedisServer  # noqa: E402
@@ -91,19 +92,6 @@ def load(adapter: Any, k: Any) -> tuple[bool, bytes]:
     task = adapter.submit_load_task([k], [buf.obj])
     bitmap = wait(lambda: adapter.query_load_result(task), "a load")
     return bitmap.test(0), buf.data
-
-
-class Recorder:
-    """Stands in for the resp client module's logger; keeps the warnings."""
-
-    def __init__(self) -> None:
-        self.warnings: list[str] = []
-
-    def warning(self, msg: str, *args: object) -> None:
-        self.warnings.append(msg % args if args else msg)
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
 
 
 # ---------------------------------------------------------------------------------------

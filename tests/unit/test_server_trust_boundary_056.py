@@ -20,23 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from log_recorder import Recorder
 
 pytestmark = pytest.mark.bases("0.5.6")
 
 pytest.importorskip("lmcache")
-
-
-class Recorder:
-    """Stands in for a module's logger; keeps the warnings."""
-
-    def __init__(self) -> None:
-        self.warnings: list[str] = []
-
-    def warning(self, msg: str, *args: object, **_: object) -> None:
-        self.warnings.append(msg % args if args else msg)
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
 
 
 class Stop(Exception):
