@@ -136,7 +136,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         inv = rec["l2_after_kill"] = l2_tiers.tier_inventory(tier)
         if inv["objects"]:
             rec["l2_bytes_per_object"] = inv["bytes"] / inv["objects"]
-        if case.forged and store.get("ok"):
+        if case.forged and store.get("ok") and not rec["expect_refusal"]:
             try:
                 rec["forged_object"] = forge(
                     l2, store.get("l2_snapshot") or {}, case.fa_object_bytes

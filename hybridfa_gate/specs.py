@@ -149,6 +149,7 @@ def store_spec(
     spec["l2_min_objects"] += len(seeds) * (case.prompt_tokens // case.chunk) * case.tp
     if case.refused_by(rc.arm, rc.base, rc.kernels):  # a refused layout: nothing is stored
         spec["l2_min_objects"] = 0
+        spec.pop("l2_snapshot", None)  # nor is there an object to forge
     return spec
 
 

@@ -89,6 +89,16 @@ def test_a_refused_case_waits_for_no_stored_object(tmp_path: Path, rc: RunConfig
     assert store_spec(case, tmp_path, pristine, 1, tmp_path / "l2")["l2_min_objects"] > 0
 
 
+def test_a_forged_case_refused_for_want_of_kernels_snapshots_nothing(
+    tmp_path: Path, rc: RunConfig
+) -> None:
+    (case,) = select_cases("qwen35-r5-NHD-c2N-offset-forged")
+    assert "l2_snapshot" in store_spec(case, tmp_path, rc, 1, tmp_path / "l2")
+    rc.kernels = False
+    spec = store_spec(case, tmp_path, rc, 1, tmp_path / "l2")
+    assert spec["l2_min_objects"] == 0 and "l2_snapshot" not in spec
+
+
 def test_a_kv_dtype_change_stores_under_one_dtype_and_restores_under_the_other(
     tmp_path: Path, rc: RunConfig
 ) -> None:
