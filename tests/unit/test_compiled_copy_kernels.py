@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
 
+from cuda_context import report_cuda_device  # noqa: E402
 from hybrid_kv import build_fa_only_kv, build_hybrid_kv  # noqa: E402
 from log_recorder import Recorder  # noqa: E402
 
@@ -30,15 +31,7 @@ def _on_cuda(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> Recorder:
     import lmcache.c_ops as lmc_ops
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as transfer
 
-    real = transfer.create_cache_context
-
-    def on_cuda(*args: Any, **kwargs: Any) -> Any:
-        ctx = real(*args, **kwargs)
-        cuda = property(lambda self: torch.device("cuda", 0))
-        ctx.__class__ = type("OnCuda", (type(ctx),), {"device": cuda})
-        return ctx
-
-    monkeypatch.setattr(transfer, "create_cache_context", on_cuda)
+    report_cuda_device(monkeypatch, transfer)
     if compiled:
         monkeypatch.setattr(lmc_ops, "execute_object_group_transfer", print, raising=False)
     recorder = Recorder()

@@ -19,6 +19,7 @@ import torch
 
 pytestmark = pytest.mark.bases("0.5.6")
 
+from cuda_context import report_cuda_device  # noqa: E402
 from log_recorder import Recorder  # noqa: E402
 from mp_server_056 import Server  # noqa: E402
 
@@ -40,15 +41,7 @@ def _on_cuda(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> Recorder:
     from lmcache import device_ops
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as transfer
 
-    real = transfer.create_cache_context
-
-    def on_cuda(*args: Any, **kwargs: Any) -> Any:
-        ctx = real(*args, **kwargs)
-        cuda = property(lambda self: torch.device("cuda", 0))
-        ctx.__class__ = type("OnCuda", (type(ctx),), {"device": cuda})
-        return ctx
-
-    monkeypatch.setattr(transfer, "create_cache_context", on_cuda)
+    report_cuda_device(monkeypatch, transfer)
     monkeypatch.setattr(transfer, "get_event_ipc_backend", lambda device: _NoEvents())
     if compiled:
         monkeypatch.setattr(device_ops, "execute_object_group_transfer", print, raising=False)
