@@ -24,7 +24,7 @@ def _wheels(args: argparse.Namespace) -> list[Path]:
         if args.command == "wheel" and not args.no_materialize and tag == here:
             materialize = base.materialize_dir
         wheel = factory.build_wheel(
-            tag, Path(args.out), args.base_wheel, materialize, args.patches, args.base
+            tag, Path(args.out), args.base_wheel, materialize, args.patches, args.base, args.kernels
         )
         print(f"built {wheel}")
         built.append(wheel)
@@ -78,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
             help="local pristine lmcache wheel of the base (or a folder of them): offline build",
         )
         _add_base(p)
+        p.add_argument(
+            "--kernels",
+            action="store_true",
+            help="compile LMCache's CUDA copy kernels from the pinned sdist against this "
+            "interpreter's torch (needs nvcc): for a torch other than the base wheel's",
+        )
         p.add_argument("--out", default=str(factory.ROOT / "dist"), help="output folder")
         p.add_argument(
             "--patches",

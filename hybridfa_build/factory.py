@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridfa_build import REVISION
+from hybridfa_build import REVISION, kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 PINS_FILE = ROOT / "pins.json"
@@ -49,6 +49,7 @@ class Pins:
     wheels: dict[str, dict[str, str]]
     sdist: dict[str, str] | None
     revision: int = REVISION
+    kernel_spec: kernels.KernelSpec | None = None
 
     @property
     def local_version(self) -> str:
@@ -57,7 +58,8 @@ class Pins:
 
 def load_pins(path: Path = PINS_FILE, revision: int = REVISION) -> Pins:
     data = json.loads(path.read_text())
-    return Pins(data["package"], data["version"], data["wheels"], data.get("sdist"), revision)
+    spec = kernels.KernelSpec.from_pins(data["kernels"]) if "kernels" in data else None
+    return Pins(data["package"], data["version"], data["wheels"], data.get("sdist"), revision, spec)
 
 
 @dataclass(frozen=True)
@@ -300,9 +302,12 @@ def tree_digest(tree: Path) -> str:
     return digest.hexdigest()
 
 
-def marker_source(pins: Pins, patches: list[Path], digest: str, tree_sha256: str) -> bytes:
+def marker_source(
+    pins: Pins, patches: list[Path], digest: str, tree_sha256: str, kernels_built: str = ""
+) -> bytes:
     text = MARKER_SOURCE.read_text()
     for key, value in {
+        "KERNELS": kernels_built,
         "BASE_VERSION": pins.version,
         "REVISION": str(pins.revision),
         "VERSION": pins.local_version,
@@ -388,11 +393,14 @@ def build_wheel(
     materialize: Path | None = None,
     patches_dir: Path | None = None,
     base_name: str = DEFAULT_BASE,
+    build_kernels: bool = False,
 ) -> Path:
     """Build the patched wheel of base ``base_name`` for ``tag`` into ``out_dir``.
 
     ``patches_dir``: a folder with a series file (default: the base's own series).
     ``materialize``: if given, that folder is replaced by the patched ``lmcache`` tree.
+    ``build_kernels``: compile the base's CUDA copy kernels against this interpreter's torch
+    (``tag`` must be this interpreter's) in place of the pristine wheel's.
     Nothing is written to ``out_dir`` or ``materialize`` unless the whole build succeeds.
     """
     base_def = get_base(base_name)
@@ -401,13 +409,28 @@ def build_wheel(
     check_tag(pins, tag)
     patches = read_series(patches_dir)
     digest = series_digest(patches_dir)
+    if build_kernels:
+        if pins.kernel_spec is None:
+            raise BuildError(f"lmcache {pins.version}: no kernels to build are pinned")
+        if tag != running_tag():
+            raise BuildError(f"kernels are built for this interpreter ({running_tag()}), not {tag}")
+        try:
+            kernels.torch_cuda()
+        except kernels.KernelBuildError as exc:
+            raise BuildError(f"--kernels: {exc}") from exc
     base = fetch_base_wheel(pins, tag, base_wheel)
     with tempfile.TemporaryDirectory(prefix="hybridfa-build-") as tmp:
         tree = Path(tmp) / "tree"
         with zipfile.ZipFile(base) as zf:
             zf.extractall(tree)
         apply_series(tree, patches)
-        marker = marker_source(pins, patches, digest, tree_digest(tree))
+        built = ""
+        if build_kernels and pins.kernel_spec is not None:
+            try:
+                built = kernels.build(pins.kernel_spec, fetch_sdist(pins), tree)
+            except kernels.KernelBuildError as exc:
+                raise BuildError(str(exc)) from exc
+        marker = marker_source(pins, patches, digest, tree_digest(tree), built)
         entries = _patched_entries(base, tree, pins, marker)
         out_dir.mkdir(parents=True, exist_ok=True)
         name = wheel_name(pins, base.name)

@@ -19,6 +19,7 @@ VERSION = "@VERSION@"
 SERIES_SHA256 = "@SERIES_SHA256@"
 TREE_SHA256 = "@TREE_SHA256@"
 PATCHES = tuple("@PATCHES@".split(",")) if "@PATCHES@" else ()
+KERNELS = "@KERNELS@"  # what --kernels built them against; empty: the base wheel's own
 
 
 def _record_mismatches(dist: metadata.Distribution) -> list[str]:
@@ -46,6 +47,7 @@ def report() -> tuple[list[str], bool]:
         f"  series sha256  {SERIES_SHA256}",
         f"  tree sha256    {TREE_SHA256}",
         f"  patches        {', '.join(PATCHES) or '(none)'}",
+        f"  kernels        {f'built against {KERNELS}' if KERNELS else 'as in the base wheel'}",
         f"  module         {Path(__file__).resolve().parent}",
     ]
     try:

@@ -1,0 +1,137 @@
+"""Build a base's compiled CUDA copy kernels against the torch of this interpreter.
+
+A pristine lmcache wheel carries ``lmcache.c_ops`` built against one torch (0.5.3's: the
+torch that vLLM 0.26 pins). Under another torch the extension does not load, and the
+patched server refuses hybrid layouts rather than copy them with LMCache's Python
+fallback. ``--kernels`` compiles the same sources, taken from the base's pinned and
+verified sdist, with this interpreter's torch and the CUDA compiler it finds, checks that
+the result loads, and puts it in the wheel in place of the pristine one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SETUP_SCRIPT = """\
+import glob, os, sys
+import torch
+from setuptools import setup
+from torch.utils import cpp_extension
+
+abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+# pip's CUDA wheels (nvidia-cublas and friends) hold headers that torch's own include.
+headers = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)),
+                                        "nvidia", "*", "include")))
+setup(
+    name="hybridfa_kernels",
+    ext_modules=[cpp_extension.CUDAExtension(
+        sys.argv.pop(1), sources=sys.argv.pop(1).split(","), include_dirs=headers,
+        extra_compile_args={"cxx": [abi, "-std=c++17"], "nvcc": [abi]})],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+)
+"""
+
+PROBE = """\
+import importlib.util, sys
+import torch
+spec = importlib.util.spec_from_file_location(sys.argv[1], sys.argv[2])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+missing = [name for name in sys.argv[3].split(",") if not hasattr(module, name)]
+print(f"torch {torch.__version__} cuda {torch.version.cuda}" if not missing else
+      f"missing {','.join(missing)}")
+sys.exit(1 if missing else 0)
+"""
+
+
+class KernelBuildError(Exception):
+    """The kernels could not be built or do not load; the message names the cause."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What a base's pins say about its compiled copy kernels."""
+
+    module: str  # e.g. "lmcache.c_ops"
+    sources: tuple[str, ...]  # relative to the sdist's root
+    entry_points: tuple[str, ...]  # names the built module must bind
+
+    @classmethod
+    def from_pins(cls, data: dict) -> KernelSpec:
+        return cls(data["module"], tuple(data["sources"]), tuple(data["entry_points"]))
+
+
+def torch_cuda() -> str:
+    """This interpreter's torch, or why it cannot build CUDA kernels."""
+    probe = "import torch; print(torch.__version__, torch.version.cuda or '')"
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise KernelBuildError(f"torch does not import in {sys.executable}")
+    version, _, cuda = proc.stdout.strip().rpartition("\n")[2].partition(" ")
+    if not cuda:
+        raise KernelBuildError(f"torch {version} here is a CPU build: no CUDA kernels to build")
+    return f"torch {version} (CUDA {cuda})"
+
+
+def extract_sources(sdist: Path, spec: KernelSpec, dest: Path) -> None:
+    """Unpack the sdist's ``csrc/`` (the sources and the headers they include) into ``dest``."""
+    with tarfile.open(sdist) as tar:
+        members = tar.getmembers()
+        root = members[0].name.split("/", 1)[0]
+        members = [m for m in members if m.name.startswith(f"{root}/csrc/")]
+        missing = set(spec.sources) - {m.name[len(root) + 1 :] for m in members}
+        if missing:
+            raise KernelBuildError(f"{sdist.name} lacks {', '.join(sorted(missing))}")
+        for member in members:
+            if member.isfile() or member.isdir():
+                member.name = member.name[len(root) + 1 :]
+                tar.extract(member, dest, filter="data")
+
+
+def build(spec: KernelSpec, sdist: Path, tree: Path) -> str:
+    """Compile ``spec`` from ``sdist`` into the unpacked wheel ``tree`` in place of the
+    pristine module; return what it was built against. Nothing in ``tree`` changes on
+    error."""
+    against = torch_cuda()
+    package, _, name = spec.module.rpartition(".")
+    pristine = sorted((tree / package.replace(".", "/")).glob(f"{name}.*.so"))
+    if len(pristine) != 1:
+        raise KernelBuildError(f"the base wheel holds {len(pristine)} {spec.module} modules")
+    with tempfile.TemporaryDirectory(prefix="hybridfa-kernels-") as tmp:
+        work = Path(tmp)
+        extract_sources(sdist, spec, work)
+        (work / "setup.py").write_text(SETUP_SCRIPT)
+        cmd = [sys.executable, "setup.py", spec.module, ",".join(spec.sources)]
+        proc = subprocess.run(
+            [*cmd, "build_ext", "--inplace"],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))),
+            check=False,
+        )
+        built = sorted((work / package.replace(".", "/")).glob(f"{name}.*.so"))
+        if proc.returncode != 0 or len(built) != 1:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            raise KernelBuildError(f"compiling {spec.module} against {against} failed:\n{tail}")
+        if built[0].name != pristine[0].name:
+            raise KernelBuildError(f"built {built[0].name}, the wheel holds {pristine[0].name}")
+        probe = subprocess.run(
+            [sys.executable, "-c", PROBE, spec.module, str(built[0]), ",".join(spec.entry_points)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if probe.returncode != 0:
+            tail = "\n".join((probe.stdout + probe.stderr).strip().splitlines()[-5:])
+            raise KernelBuildError(f"the built {spec.module} does not load:\n{tail}")
+        pristine[0].write_bytes(built[0].read_bytes())
+    return against

@@ -1,0 +1,73 @@
+"""``--kernels``: LMCache's copy kernels compiled against this interpreter's torch, or a clear
+refusal that writes nothing."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from factory_cli import factory
+
+from hybridfa_build import factory as wheel_factory
+from hybridfa_build import kernels
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="this torch can build CUDA kernels")
+def test_kernels_on_a_cpu_torch_are_refused_with_the_cause_and_nothing_written(
+    tmp_path: Path,
+) -> None:
+    proc = factory("wheel", "--kernels", "--no-materialize", "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert f"torch {torch.__version__} here is a CPU build" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kernels_for_another_interpreter_are_refused(tmp_path: Path) -> None:
+    other = "cp310" if wheel_factory.running_tag() != "cp310" else "cp311"
+    proc = factory("wheel", "--kernels", "--tag", other, "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert f"built for this interpreter ({wheel_factory.running_tag()}), not {other}" in (
+        proc.stderr
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_pins_name_the_kernel_module_the_patches_check_for() -> None:
+    spec = wheel_factory.load_pins().kernel_spec
+    assert spec is not None
+    assert spec.module == "lmcache.c_ops"
+    assert spec.entry_points == ("execute_object_group_transfer",)
+    assert all(s.startswith("csrc/") for s in spec.sources)
+
+
+def _sdist(tmp_path: Path, files: list[str]) -> Path:
+    path = tmp_path / "lmcache-0.5.3.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name in files:
+            info = tarfile.TarInfo(f"lmcache-0.5.3/{name}")
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"x;\n"))
+    return path
+
+
+def test_a_source_missing_from_the_sdist_is_named_and_the_wheel_tree_is_untouched(
+    tmp_path: Path,
+) -> None:
+    spec = kernels.KernelSpec("lmcache.c_ops", ("csrc/a.cu", "csrc/b.cpp"), ("f",))
+    sdist = _sdist(tmp_path, ["csrc/a.cu", "setup.py"])
+    with pytest.raises(kernels.KernelBuildError, match="lmcache-0.5.3.tar.gz lacks csrc/b.cpp"):
+        kernels.extract_sources(sdist, spec, tmp_path / "work")
+    assert not (tmp_path / "work" / "csrc").exists()
+
+
+def test_only_the_sdists_csrc_is_extracted(tmp_path: Path) -> None:
+    spec = kernels.KernelSpec("lmcache.c_ops", ("csrc/a.cu",), ("f",))
+    sdist = _sdist(tmp_path, ["csrc/a.cu", "csrc/sub/h.h", "setup.py"])
+    kernels.extract_sources(sdist, spec, tmp_path / "work")
+    got = sorted(
+        p.relative_to(tmp_path / "work").as_posix() for p in (tmp_path / "work").rglob("*")
+    )
+    assert got == ["csrc", "csrc/a.cu", "csrc/sub", "csrc/sub/h.h"]
