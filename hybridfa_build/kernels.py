@@ -32,7 +32,7 @@ setup(
     name="hybridfa_kernels",
     ext_modules=[cpp_extension.CUDAExtension(
         sys.argv.pop(1), sources=sys.argv.pop(1).split(","), include_dirs=headers,
-        extra_compile_args={"cxx": [abi, "-std=c++17"], "nvcc": [abi]})],
+        extra_compile_args={"cxx": [abi], "nvcc": [abi]})],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
 )
 """
@@ -111,14 +111,14 @@ def build(spec: KernelSpec, sdist: Path, tree: Path) -> str:
         (work / "setup.py").write_text(SETUP_SCRIPT)
         cmd = [sys.executable, "setup.py", spec.module, ",".join(spec.sources)]
         proc = subprocess.run(
-            [*cmd, "build_ext", "--inplace"],
+            [*cmd, "build_ext", "--build-lib", "built"],
             cwd=work,
             capture_output=True,
             text=True,
             env=dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))),
             check=False,
         )
-        built = sorted((work / package.replace(".", "/")).glob(f"{name}.*.so"))
+        built = sorted((work / "built" / package.replace(".", "/")).glob(f"{name}.*.so"))
         if proc.returncode != 0 or len(built) != 1:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
             raise KernelBuildError(f"compiling {spec.module} against {against} failed:\n{tail}")

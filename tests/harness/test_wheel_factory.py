@@ -175,6 +175,7 @@ def test_marker_reports_a_clobbered_install(built: Path, tmp_path: Path) -> None
     ]
     ok = subprocess.run(probe, env=env, cwd=tmp_path, capture_output=True, text=True, check=False)
     assert ok.returncode == 0 and "RECORD         ok" in ok.stdout, ok.stdout + ok.stderr
+    assert "kernels        as in the base wheel" in ok.stdout
     victim = target / "lmcache" / "v1" / "kv_layer_groups.py"
     victim.write_text(victim.read_text() + "\n# overwritten by another install\n")
     bad = subprocess.run(probe, env=env, cwd=tmp_path, capture_output=True, text=True, check=False)
