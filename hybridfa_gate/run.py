@@ -213,6 +213,7 @@ if spec is not None:
     h = importlib.import_module("lmcache._hybridfa")
     out["hybridfa_version"] = getattr(h, "VERSION", None)
     out["hybridfa_patches"] = list(getattr(h, "PATCHES", ()))
+    out["hybridfa_kernels"] = getattr(h, "KERNELS", None)  # what --kernels built against
 print("GATE-ENV " + json.dumps(out))
 """
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -105,3 +109,22 @@ def test_the_cli_passes_its_engine_timeout_to_the_run(
     argv = ["--lmcache-dir", str(tmp_path), "--cases", "quick", "--engine-timeout", "900"]
     assert cli.main(argv) == 2
     assert seen["timeout"] == 900.0
+
+
+def test_the_environment_names_what_the_wheels_kernels_were_built_against(tmp_path: Path) -> None:
+    package = tmp_path / "lmcache"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "_hybridfa.py").write_text(
+        'VERSION = "0.5.3+hybridfa.18"\nPATCHES = ()\nKERNELS = "torch 2.13.0+cu130 (CUDA 13.0)"\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", run.ENV_PROBE],
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("GATE-ENV ")]
+    versions = json.loads(line.removeprefix("GATE-ENV "))
+    assert versions["hybridfa_kernels"] == "torch 2.13.0+cu130 (CUDA 13.0)"
