@@ -53,6 +53,7 @@ def test_a_hybrid_layout_is_refused_without_the_compiled_kernels(
     refusals = [e for e in recorder.errors if "lmcache.c_ops" in e]
     assert len(refusals) == 1, recorder.errors
     assert f"torch {torch.__version__}" in refusals[0]
+    assert "python -m hybridfa_build install --kernels" in refusals[0]
 
 
 def test_a_hybrid_layout_is_served_with_the_compiled_kernels(real_servers, tmp_path, monkeypatch):
