@@ -121,6 +121,7 @@ def test_the_environment_names_what_the_wheels_kernels_were_built_against(tmp_pa
     proc = subprocess.run(
         [sys.executable, "-c", run.ENV_PROBE],
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         check=True,
