@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hybridfa_build import factory, patchqueue
+from hybridfa_build import factory, kernels, patchqueue
 
 
 def _wheels(args: argparse.Namespace) -> list[Path]:
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {patch}")
         elif args.command == "sdist":
             print(factory.fetch_sdist(factory.get_base(args.base).pins()))
-    except factory.BuildError as exc:
+    except (factory.BuildError, kernels.KernelBuildError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

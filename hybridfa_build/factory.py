@@ -409,28 +409,23 @@ def build_wheel(
     check_tag(pins, tag)
     patches = read_series(patches_dir)
     digest = series_digest(patches_dir)
+    spec, against = None, ""  # the kernels to build, and the torch they are built against
     if build_kernels:
-        if pins.kernel_spec is None:
+        spec = pins.kernel_spec
+        if spec is None:
             raise BuildError(f"lmcache {pins.version}: no kernels to build are pinned")
         if tag != running_tag():
             raise BuildError(f"kernels are built for this interpreter ({running_tag()}), not {tag}")
-        try:
-            kernels.torch_cuda()
-        except kernels.KernelBuildError as exc:
-            raise BuildError(f"--kernels: {exc}") from exc
+        against = kernels.torch_cuda()
     base = fetch_base_wheel(pins, tag, base_wheel)
     with tempfile.TemporaryDirectory(prefix="hybridfa-build-") as tmp:
         tree = Path(tmp) / "tree"
         with zipfile.ZipFile(base) as zf:
             zf.extractall(tree)
         apply_series(tree, patches)
-        built = ""
-        if build_kernels and pins.kernel_spec is not None:
-            try:
-                built = kernels.build(pins.kernel_spec, fetch_sdist(pins), tree)
-            except kernels.KernelBuildError as exc:
-                raise BuildError(str(exc)) from exc
-        marker = marker_source(pins, patches, digest, tree_digest(tree), built)
+        if spec is not None:
+            kernels.build(spec, fetch_sdist(pins), tree, against)
+        marker = marker_source(pins, patches, digest, tree_digest(tree), against)
         entries = _patched_entries(base, tree, pins, marker)
         out_dir.mkdir(parents=True, exist_ok=True)
         name = wheel_name(pins, base.name)

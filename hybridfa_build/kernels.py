@@ -10,7 +10,6 @@ the result loads, and puts it in the wheel in place of the pristine one.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tarfile
@@ -25,14 +24,17 @@ from setuptools import setup
 from torch.utils import cpp_extension
 
 abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-# pip's CUDA wheels (nvidia-cublas and friends) hold headers that torch's own include.
+# pip's CUDA wheels (nvidia-cublas and friends) hold headers that torch's own include
+# (cublas_v2.h, cusparse.h). Searched after the compiler's own, so that the toolkit's
+# headers win where a wheel of a newer CUDA holds them too.
 headers = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)),
                                         "nvidia", "*", "include")))
 setup(
     name="hybridfa_kernels",
     ext_modules=[cpp_extension.CUDAExtension(
-        sys.argv.pop(1), sources=sys.argv.pop(1).split(","), include_dirs=headers,
-        extra_compile_args={"cxx": [abi], "nvcc": [abi]})],
+        sys.argv.pop(1), sources=sys.argv.pop(1).split(","),
+        extra_compile_args={"cxx": [abi, *(f"-idirafter{h}" for h in headers)],
+                            "nvcc": [abi, *(f"-Xcompiler=-idirafter{h}" for h in headers)]})],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
 )
 """
@@ -44,9 +46,7 @@ spec = importlib.util.spec_from_file_location(sys.argv[1], sys.argv[2])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 missing = [name for name in sys.argv[3].split(",") if not hasattr(module, name)]
-print(f"torch {torch.__version__} cuda {torch.version.cuda}" if not missing else
-      f"missing {','.join(missing)}")
-sys.exit(1 if missing else 0)
+sys.exit(f"it binds no {', '.join(missing)}" if missing else 0)
 """
 
 
@@ -96,11 +96,10 @@ def extract_sources(sdist: Path, spec: KernelSpec, dest: Path) -> None:
                 tar.extract(member, dest, filter="data")
 
 
-def build(spec: KernelSpec, sdist: Path, tree: Path) -> str:
+def build(spec: KernelSpec, sdist: Path, tree: Path, against: str) -> None:
     """Compile ``spec`` from ``sdist`` into the unpacked wheel ``tree`` in place of the
-    pristine module; return what it was built against. Nothing in ``tree`` changes on
-    error."""
-    against = torch_cuda()
+    pristine module, with the torch ``against`` (``torch_cuda()``) names. Nothing in
+    ``tree`` changes on error."""
     package, _, name = spec.module.rpartition(".")
     pristine = sorted((tree / package.replace(".", "/")).glob(f"{name}.*.so"))
     if len(pristine) != 1:
@@ -115,13 +114,15 @@ def build(spec: KernelSpec, sdist: Path, tree: Path) -> str:
             cwd=work,
             capture_output=True,
             text=True,
-            env=dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))),
             check=False,
         )
         built = sorted((work / "built" / package.replace(".", "/")).glob(f"{name}.*.so"))
         if proc.returncode != 0 or len(built) != 1:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            raise KernelBuildError(f"compiling {spec.module} against {against} failed:\n{tail}")
+            lines = (proc.stdout + proc.stderr).strip().splitlines()
+            shown = [line for line in lines if "error" in line.lower()][:10] or lines[-15:]
+            raise KernelBuildError(
+                f"compiling {spec.module} against {against} failed:\n" + "\n".join(shown)
+            )
         if built[0].name != pristine[0].name:
             raise KernelBuildError(f"built {built[0].name}, the wheel holds {pristine[0].name}")
         probe = subprocess.run(
@@ -134,4 +135,3 @@ def build(spec: KernelSpec, sdist: Path, tree: Path) -> str:
             tail = "\n".join((probe.stdout + probe.stderr).strip().splitlines()[-5:])
             raise KernelBuildError(f"the built {spec.module} does not load:\n{tail}")
         pristine[0].write_bytes(built[0].read_bytes())
-    return against
