@@ -4,7 +4,6 @@ allocation and LMCache's connector edits (vllm_kv_alloc)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -132,13 +131,7 @@ class Server:
 
     def hit_chunks(self, request_id: str) -> int:
         self.lookups.lookup(self.key(request_id), 1)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            n = self.lookups.query_prefetch_status(request_id)
-            if n is not None:
-                return n
-            time.sleep(0.02)
-        raise RuntimeError("the lookup did not complete")
+        return wait_for(lambda: self.lookups.query_prefetch_status(request_id), "the lookup", 10)
 
     def close(self) -> None:
         for closer in (self.lookups.close, self.transfer.close, self.ctx.close):

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from fs_l2_driver import wait_for
 from hybrid_kv import (
     FA_DTYPE,
     FA_LAYERS,
@@ -113,15 +114,8 @@ class RealServer:
         """The lookup's hit in chunks, once its prefetch (L1 and L2) has completed."""
         key = self.key(tokens, 0, len(tokens), request, None, cache_salt)
         self.lookup_module.lookup(key, 1)
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            found = self.lookup_module.query_prefetch_status(request)
-            if found is not None:
-                return int(found)
-            time.sleep(0.01)
-        # A lookup that never completes is a server that hangs: a failure of the code under
-        # test (0.5.3's Redis client waits forever on a vanished key), not of the test.
-        pytest.fail(f"prefetch of {request} did not complete in {TIMEOUT_S}s")
+        status = self.lookup_module.query_prefetch_status
+        return int(wait_for(lambda: status(request), f"prefetch of {request}", TIMEOUT_S))
 
     def retrieve(
         self, request: str, tokens: list[int], start: int, end: int, ids: list[list[int]]
