@@ -4,7 +4,8 @@ their environment, their logs, and their cleanup.
 An engine is ``python -m hybridfa_gate.engine_proc SPEC OUT`` (one engine per process, so a
 restore reads what another process stored). Every child runs in its work folder: the checkout
 root is never its first import path, so a materialized ``lmcache/`` there never shadows the
-build under test, which goes first on PYTHONPATH.
+build under test, which goes first on PYTHONPATH (or, installed with pip into a site folder,
+is found there).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import re
 import shlex
 import signal
+import site
 import socket
 import subprocess
 import time
@@ -55,10 +57,21 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
+def _found_in_site(lmcache_dir: Path, pythonpath: Sequence[str]) -> bool:
+    """Whether a child finds ``lmcache_dir``'s lmcache without it on PYTHONPATH: it is one of
+    this interpreter's site folders (a wheel installed with pip) and no PYTHONPATH folder holds
+    another lmcache. Put first, a site folder would shadow what PYTHONPATH brings in place of
+    its packages (a newer torch and vLLM staged beside the image's)."""
+    sites = {Path(p).resolve() for p in (*site.getsitepackages(), site.getusersitepackages())}
+    if lmcache_dir not in sites:
+        return False
+    return not any((Path(p) / "lmcache").is_dir() for p in pythonpath)
+
+
 def child_env(lmcache_dir: Path | None, layout: str | None) -> dict[str, str]:
     env = dict(os.environ)
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if lmcache_dir is not None:
+    if lmcache_dir is not None and not _found_in_site(Path(lmcache_dir).resolve(), parts):
         d = str(Path(lmcache_dir).resolve())
         parts = [d] + [p for p in parts if Path(p).resolve() != Path(d)]
     if not any(Path(p).resolve() == PACKAGE_ROOT for p in parts):

@@ -3,7 +3,10 @@ imports (its folder goes first on the engines' PYTHONPATH). The criteria (a)-(e)
 arm must show: hybridfa_gate/judge.py.
 
 Environment: HYBRIDFA_GATE_CASES (default quick; a set name, case ids or regexes),
-HYBRIDFA_GATE_OUT (default results/), HYBRIDFA_GATE_TP (default 1).
+HYBRIDFA_GATE_OUT (default results/), HYBRIDFA_GATE_TP (default 1), HYBRIDFA_GATE_JOBS (cases
+at once, default 1) and HYBRIDFA_GATE_KV_CACHE_GIB (a fixed KV cache per engine instead of
+vLLM's memory profiling, which breaks while other processes start or stop on the GPU; needed
+with more than one job).
 """
 
 from __future__ import annotations
@@ -32,11 +35,16 @@ def _lmcache_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def report() -> dict:
+    kv_gib = float(os.environ.get("HYBRIDFA_GATE_KV_CACHE_GIB", "0"))
     rc = RunConfig(
         arm=ARM,
         lmcache_dir=_lmcache_dir(),
         out=Path(os.environ.get("HYBRIDFA_GATE_OUT", "results")),
+        jobs=int(os.environ.get("HYBRIDFA_GATE_JOBS", "1")),
+        kv_cache_memory_bytes=int(kv_gib * 2**30) or None,
     )
+    if rc.jobs > 1 and rc.kv_cache_memory_bytes is None:
+        pytest.fail("HYBRIDFA_GATE_JOBS > 1 needs HYBRIDFA_GATE_KV_CACHE_GIB")
     tp = int(os.environ.get("HYBRIDFA_GATE_TP", "1"))
     cases = select_cases(os.environ.get("HYBRIDFA_GATE_CASES", "quick"), tp)
     return {**run_matrix(cases, rc), "selected": [c.case_id for c in cases]}

@@ -40,6 +40,25 @@ def test_child_env_puts_lmcache_first_and_the_gate_last(
     assert env["TRITON_CACHE_AUTOTUNING"] == "1"
 
 
+def test_an_installed_lmcache_leaves_pythonpath_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lmcache installed into a site folder is found there: put first, that folder would
+    shadow a torch and vLLM that PYTHONPATH brings in place of the site folder's own."""
+    sitedir = tmp_path / "site-packages"
+    (sitedir / "lmcache").mkdir(parents=True)
+    monkeypatch.setattr(procs.site, "getsitepackages", lambda: [str(sitedir)])
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    assert procs.child_env(sitedir, None)["PYTHONPATH"].split(":") == ["/tmp/site", str(REPO)]
+    staged = tmp_path / "staged"
+    (staged / "lmcache").mkdir(parents=True)
+    monkeypatch.setenv("PYTHONPATH", str(staged))
+    assert procs.child_env(sitedir, None)["PYTHONPATH"].split(":")[:2] == [
+        str(sitedir.resolve()),
+        str(staged),
+    ]
+
+
 def test_a_child_imports_the_build_under_test_not_the_checkouts_tree(tmp_path: Path) -> None:
     """A materialized lmcache/ in the checkout root never shadows ``lmcache_dir``: children run
     in their work folder, with the checkout last on PYTHONPATH."""
