@@ -1,6 +1,7 @@
 """GPU restart gate for the arm in HYBRIDFA_ARM (tests/conftest.py), on the lmcache this pytest
-imports (its folder goes first on the engines' PYTHONPATH). The criteria (a)-(e) and what each
-arm must show: hybridfa_gate/judge.py.
+imports (the engines import it too: its folder goes first on their PYTHONPATH, or, installed
+with pip, stays where it is). The criteria (a)-(e) and what each arm must show:
+hybridfa_gate/judge.py.
 
 Environment: HYBRIDFA_GATE_CASES (default quick; a set name, case ids or regexes),
 HYBRIDFA_GATE_OUT (default results/), HYBRIDFA_GATE_TP (default 1), HYBRIDFA_GATE_JOBS (cases
