@@ -98,14 +98,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.lmcache_dir is None:
         ap.error("--lmcache-dir is required (except with --list)")
-    if a.jobs > 1 and not a.kv_cache_gib:
-        ap.error("--jobs > 1 needs --kv-cache-gib (vLLM's profiling breaks under concurrency)")
-    rc = RunConfig(
-        a.arm, a.lmcache_dir.resolve(), a.out, jobs=a.jobs, keep_l2=a.keep_l2, work=a.work
-    )
-    rc.gpu_memory_utilization = a.gpu_memory_utilization
-    rc.engine_timeout = a.engine_timeout
-    rc.kv_cache_memory_bytes = int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None
+    try:
+        rc = RunConfig(
+            a.arm,
+            a.lmcache_dir.resolve(),
+            a.out,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            kv_cache_memory_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
+            jobs=a.jobs,
+            engine_timeout=a.engine_timeout,
+            keep_l2=a.keep_l2,
+            work=a.work,
+        )
+    except ValueError as e:
+        ap.error(str(e))
     install_cleanup_handler()
     report = run_matrix(cases, rc, lambda rec: print(" | ".join(table_row(a.arm, rec)), flush=True))
     if report.get("error"):

@@ -47,6 +47,13 @@ class RunConfig:
     base: str = DEFAULT_BASE  # the lmcache release under test (set from the engines' view)
     kernels: bool = True  # whether LMCache's compiled copy kernels load (the engines' view)
 
+    def __post_init__(self) -> None:
+        if self.jobs > 1 and not self.kv_cache_memory_bytes:
+            raise ValueError(
+                "more than one case at once needs a fixed KV cache size (--kv-cache-gib, "
+                "HYBRIDFA_GATE_KV_CACHE_GIB): vLLM's memory profiling breaks under concurrency"
+            )
+
 
 def base_spec(
     m: ModelSpec, n: int, role: str, model_dir: Path, prompt: list[int], port: int | None
