@@ -1,10 +1,11 @@
-"""A hybrid layout on a CUDA server without LMCache's compiled copy kernels is refused.
+"""A layout on a CUDA server without LMCache's compiled copy kernels is refused.
 
 The 0.5.3 wheel's compiled kernels (``lmcache.c_ops``) are built against vLLM 0.26's torch;
 under vLLM 0.27 and 0.28 (torch 2.13) they do not load, and LMCache copies with a Python
 fallback. Through it, a hybrid restore on a GPU put stored blocks at other positions of
-the prompt: a 99 % hit with wrong KV. The patched server refuses such a registration with
-the cause named (it then stores nothing for the model, as for its other refusals). A whole
+the prompt: a 99 % hit with wrong KV; nothing in the fallback is hybrid-specific. The patched
+server refuses any such registration with the cause named (it then stores nothing for the
+model and keys its lookups where nothing is stored, as for its other refusals). A whole
 CPU server (restore_server) whose cache context reports a CUDA device, as a GPU server's does.
 """
 
@@ -62,13 +63,20 @@ def test_a_hybrid_layout_is_served_with_the_compiled_kernels(real_servers, tmp_p
     assert not [e for e in recorder.errors if "lmcache.c_ops" in e]
 
 
-def test_a_dense_layout_is_not_refused_without_the_compiled_kernels(
+@pytest.mark.fix
+def test_a_dense_layout_is_refused_without_the_compiled_kernels(
     real_servers, tmp_path, monkeypatch
 ):
     recorder = _on_cuda(monkeypatch, compiled=False)
     kv = build_fa_only_kv(16, "NHD", num_blocks=NUM_BLOCKS)
     real_servers(kv, 16, tmp_path / "l2", False)
-    assert not [e for e in recorder.errors if "lmcache.c_ops" in e]
+    refusals = [e for e in recorder.errors if "lmcache.c_ops" in e]
+    assert len(refusals) == 1, recorder.errors
+    from restore_server import MODEL
+
+    from lmcache.v1.distributed.layout_namespace import namespaced_model_name
+
+    assert "refused-" in namespaced_model_name(MODEL, 1)
 
 
 def test_a_cpu_server_keeps_its_hits(real_servers, tmp_path):

@@ -1,9 +1,10 @@
-"""lmcache 0.5.6: a hybrid layout on a CUDA server without the compiled copy kernels is refused.
+"""lmcache 0.5.6: a layout on a CUDA server without the compiled copy kernels is refused.
 
 Where ``lmcache.cuda_ops`` does not load (built against another torch than the server's),
 LMCache copies with a Python fallback; the 0.5.3 base's fallback restored a hybrid prompt's
-blocks at other positions on a GPU, and this base's has not run on one. The patched server
-refuses such a registration with the cause named and the model's lookups miss. A real
+blocks at other positions on a GPU, nothing in it tied to a hybrid layout, and this base's
+copies the same way but has not run on one. The patched server refuses any such
+registration with the cause named and the model's lookups miss. A real
 server context (mp_server_056) whose cache context reports a CUDA device, as a GPU server's
 does, on the in-memory mock adapter.
 """
@@ -72,7 +73,14 @@ def test_a_hybrid_layout_is_served_with_the_compiled_kernels(server, monkeypatch
     assert not [e for e in recorder.errors if "cuda_ops" in e]
 
 
-def test_a_dense_layout_is_not_refused_without_the_compiled_kernels(server, monkeypatch):
+@pytest.mark.fix
+def test_a_dense_layout_is_refused_without_the_compiled_kernels(server, monkeypatch):
     recorder = _on_cuda(monkeypatch, compiled=False)
     server.register(hybrid=False)
-    assert not [e for e in recorder.errors if "cuda_ops" in e]
+    refusals = [e for e in recorder.errors if "lmcache.cuda_ops" in e]
+    assert len(refusals) == 1, recorder.errors
+    from mp_server_056 import MODEL
+
+    from lmcache.v1.distributed.layout_namespace import namespaced_model_name
+
+    assert "refused-" in namespaced_model_name(MODEL, 1)
