@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,11 +245,19 @@ def fetch_sdist(pins: Pins, local: Path | None = None) -> Path:
         return verify(cached, pins.sdist["sha256"], "cached pristine sdist")
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
-        _pip_download(
-            ["--no-binary", pins.package, f"{pins.package}=={pins.version}"],
-            Path(tmp),
-        )
         got = Path(tmp) / pins.sdist["filename"]
+        if "url" in pins.sdist:
+            # pip prepares an sdist's metadata to download it; 0.5.6's needs CUDA and torch.
+            try:
+                with urllib.request.urlopen(pins.sdist["url"], timeout=300) as src:
+                    got.write_bytes(src.read())
+            except OSError as e:
+                raise BuildError(f"fetching {pins.sdist['url']} failed: {e}") from e
+        else:
+            _pip_download(
+                ["--no-binary", pins.package, f"{pins.package}=={pins.version}"],
+                Path(tmp),
+            )
         if not got.is_file():
             raise BuildError(f"pip did not produce {pins.sdist['filename']}")
         verify(got, pins.sdist["sha256"], "downloaded pristine sdist")

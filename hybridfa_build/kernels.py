@@ -1,15 +1,17 @@
 """Build a base's compiled CUDA copy kernels against the torch of this interpreter.
 
-A pristine lmcache wheel carries ``lmcache.c_ops`` built against one torch (0.5.3's: the
-torch that vLLM 0.26 pins). Under another torch the extension does not load, and the
-patched server refuses hybrid layouts rather than copy them with LMCache's Python
-fallback. ``--kernels`` compiles the same sources, taken from the base's pinned and
-verified sdist, with this interpreter's torch and the CUDA compiler it finds, checks that
-the result loads, and puts it in the wheel in place of the pristine one.
+A pristine lmcache wheel carries its copy kernels built against one torch: 0.5.3's
+``lmcache.c_ops`` against the torch that vLLM 0.26 pins (2.11), 0.5.6's ``lmcache.cuda_ops``
+against vLLM 0.29-0.32's (2.13). Under another torch the extension does not load, and the
+patched server refuses every layout rather than copy it with LMCache's Python fallback.
+``--kernels`` compiles the same sources, taken from the base's pinned and verified sdist,
+with this interpreter's torch and the CUDA compiler it finds, checks that the result loads,
+and puts it in the wheel in place of the pristine one.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tarfile
@@ -29,10 +31,13 @@ abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
 # headers win where a wheel of a newer CUDA holds them too.
 headers = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)),
                                         "nvidia", "*", "include")))
+module, sources, include_dirs = sys.argv.pop(1), sys.argv.pop(1), sys.argv.pop(1)
 setup(
     name="hybridfa_kernels",
     ext_modules=[cpp_extension.CUDAExtension(
-        sys.argv.pop(1), sources=sys.argv.pop(1).split(","),
+        module,
+        sources=sources.split(","),
+        include_dirs=[os.path.abspath(d) for d in include_dirs.split(",") if d],
         extra_compile_args={"cxx": [abi, *(f"-idirafter{h}" for h in headers)],
                             "nvcc": [abi, *(f"-Xcompiler=-idirafter{h}" for h in headers)]})],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
@@ -61,10 +66,16 @@ class KernelSpec:
     module: str  # e.g. "lmcache.c_ops"
     sources: tuple[str, ...]  # relative to the sdist's root
     entry_points: tuple[str, ...]  # names the built module must bind
+    include_dirs: tuple[str, ...] = ()  # relative to the sdist's root, under csrc/
 
     @classmethod
     def from_pins(cls, data: dict) -> KernelSpec:
-        return cls(data["module"], tuple(data["sources"]), tuple(data["entry_points"]))
+        return cls(
+            data["module"],
+            tuple(data["sources"]),
+            tuple(data["entry_points"]),
+            tuple(data.get("include_dirs", ())),
+        )
 
 
 def torch_cuda() -> str:
@@ -108,7 +119,13 @@ def build(spec: KernelSpec, sdist: Path, tree: Path, against: str) -> None:
         work = Path(tmp)
         extract_sources(sdist, spec, work)
         (work / "setup.py").write_text(SETUP_SCRIPT)
-        cmd = [sys.executable, "setup.py", spec.module, ",".join(spec.sources)]
+        cmd = [
+            sys.executable,
+            "setup.py",
+            spec.module,
+            ",".join(spec.sources),
+            ",".join(spec.include_dirs),
+        ]
         proc = subprocess.run(
             [*cmd, "build_ext", "--build-lib", "built"],
             cwd=work,
@@ -125,8 +142,12 @@ def build(spec: KernelSpec, sdist: Path, tree: Path, against: str) -> None:
             )
         if built[0].name != pristine[0].name:
             raise KernelBuildError(f"built {built[0].name}, the wheel holds {pristine[0].name}")
+        # The wheel's own package goes first: 0.5.6's module imports lmcache.lmcache_native.
+        path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
         probe = subprocess.run(
             [sys.executable, "-c", PROBE, spec.module, str(built[0]), ",".join(spec.entry_points)],
+            cwd=work,
+            env={**os.environ, "PYTHONPATH": path},
             capture_output=True,
             text=True,
             check=False,

@@ -43,6 +43,27 @@ def test_the_pins_name_the_kernel_module_the_patches_check_for() -> None:
     assert all(s.startswith("csrc/") for s in spec.sources)
 
 
+def test_the_056_pins_name_the_kernel_module_its_patches_check_for() -> None:
+    spec = wheel_factory.get_base("0.5.6").pins().kernel_spec
+    assert spec is not None
+    assert spec.module == "lmcache.cuda_ops"
+    assert spec.entry_points == ("execute_object_group_transfer",)
+    assert all(s.startswith("csrc/cuda/") for s in spec.sources)
+    assert spec.include_dirs == ("csrc",)
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="this torch can build CUDA kernels")
+def test_056_kernels_on_a_cpu_torch_are_refused_with_the_cause_and_nothing_written(
+    tmp_path: Path,
+) -> None:
+    proc = factory(
+        "wheel", "--base", "0.5.6", "--kernels", "--no-materialize", "--out", str(tmp_path)
+    )
+    assert proc.returncode == 2
+    assert f"torch {torch.__version__} here is a CPU build" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def _sdist(tmp_path: Path, files: list[str]) -> Path:
     path = tmp_path / "lmcache-0.5.3.tar.gz"
     with tarfile.open(path, "w:gz") as tar:

@@ -65,6 +65,7 @@ def test_a_hybrid_layout_is_refused_without_the_compiled_kernels(server, monkeyp
     refusals = [e for e in recorder.errors if "lmcache.cuda_ops" in e]
     assert len(refusals) == 1, recorder.errors
     assert f"torch {torch.__version__}" in refusals[0]
+    assert "python -m hybridfa_build install --base 0.5.6 --kernels" in refusals[0]
 
 
 def test_a_hybrid_layout_is_served_with_the_compiled_kernels(server, monkeypatch):
