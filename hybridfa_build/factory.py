@@ -235,7 +235,7 @@ def fetch_base_wheel(pins: Pins, tag: str, base_wheel: Path | None = None) -> Pa
 
 
 def fetch_sdist(pins: Pins, local: Path | None = None) -> Path:
-    """Return the verified pristine sdist (for LMCache's own test suite)."""
+    """Return the verified pristine sdist (LMCache's own test suite, the --kernels sources)."""
     if pins.sdist is None:
         raise BuildError(f"no sdist is pinned for lmcache {pins.version}")
     if local is not None:

@@ -66,7 +66,7 @@ class KernelSpec:
     module: str  # e.g. "lmcache.c_ops"
     sources: tuple[str, ...]  # relative to the sdist's root
     entry_points: tuple[str, ...]  # names the built module must bind
-    include_dirs: tuple[str, ...] = ()  # relative to the sdist's root, under csrc/
+    include_dirs: tuple[str, ...] = ()  # relative to the sdist's root, within its csrc/
 
     @classmethod
     def from_pins(cls, data: dict) -> KernelSpec:
