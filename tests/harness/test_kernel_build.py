@@ -16,10 +16,11 @@ from hybridfa_build import kernels
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="this torch can build CUDA kernels")
+@pytest.mark.parametrize("base", ["0.5.3", "0.5.6"])
 def test_kernels_on_a_cpu_torch_are_refused_with_the_cause_and_nothing_written(
-    tmp_path: Path,
+    tmp_path: Path, base: str
 ) -> None:
-    proc = factory("wheel", "--kernels", "--no-materialize", "--out", str(tmp_path))
+    proc = factory("wheel", "--base", base, "--kernels", "--no-materialize", "--out", str(tmp_path))
     assert proc.returncode == 2
     assert f"torch {torch.__version__} here is a CPU build" in proc.stderr
     assert list(tmp_path.iterdir()) == []
@@ -35,33 +36,22 @@ def test_kernels_for_another_interpreter_are_refused(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_pins_name_the_kernel_module_the_patches_check_for() -> None:
-    spec = wheel_factory.load_pins().kernel_spec
-    assert spec is not None
-    assert spec.module == "lmcache.c_ops"
-    assert spec.entry_points == ("execute_object_group_transfer",)
-    assert all(s.startswith("csrc/") for s in spec.sources)
-
-
-def test_the_056_pins_name_the_kernel_module_its_patches_check_for() -> None:
-    spec = wheel_factory.get_base("0.5.6").pins().kernel_spec
-    assert spec is not None
-    assert spec.module == "lmcache.cuda_ops"
-    assert spec.entry_points == ("execute_object_group_transfer",)
-    assert all(s.startswith("csrc/cuda/") for s in spec.sources)
-    assert spec.include_dirs == ("csrc",)
-
-
-@pytest.mark.skipif(torch.version.cuda is not None, reason="this torch can build CUDA kernels")
-def test_056_kernels_on_a_cpu_torch_are_refused_with_the_cause_and_nothing_written(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("base", "module", "sources_under", "include_dirs"),
+    [
+        ("0.5.3", "lmcache.c_ops", "csrc/", ()),
+        ("0.5.6", "lmcache.cuda_ops", "csrc/cuda/", ("csrc",)),
+    ],
+)
+def test_the_pins_name_the_kernel_module_the_patches_check_for(
+    base: str, module: str, sources_under: str, include_dirs: tuple[str, ...]
 ) -> None:
-    proc = factory(
-        "wheel", "--base", "0.5.6", "--kernels", "--no-materialize", "--out", str(tmp_path)
-    )
-    assert proc.returncode == 2
-    assert f"torch {torch.__version__} here is a CPU build" in proc.stderr
-    assert list(tmp_path.iterdir()) == []
+    spec = wheel_factory.get_base(base).pins().kernel_spec
+    assert spec is not None
+    assert spec.module == module
+    assert spec.entry_points == ("execute_object_group_transfer",)
+    assert all(s.startswith(sources_under) for s in spec.sources)
+    assert spec.include_dirs == include_dirs
 
 
 def _sdist(tmp_path: Path, files: list[str]) -> Path:
