@@ -21,8 +21,9 @@ cold engine ran turn 1, then turn 2), not with the store engine.
 Where the right answer is a miss, a case is judged by the criteria that apply to its mode
 (``cases.Case.mode``):
 
-- refused: the patched server refuses a hybrid layout on an fs_native tier: (b) against the
-  store engine, (c) no external hit, (e); (a) and (d) do not apply;
+- refused: the patched server refuses the layout (a hybrid layout on an fs_native tier, or
+  any layout where LMCache's compiled copy kernels did not load): (b) against the store
+  engine, (c) no external hit, (e); (a) and (d) do not apply;
 - miss: a kv_cache_dtype change across the restart (the stored bytes mean other values):
   (b) against the cold engine, which runs the restore's dtype, (c) no external hit, (e);
 - forged: one FA object of the hit rewritten after the store (``forge.py``): (a), (b),

@@ -2,12 +2,13 @@
 
 Every knob that changes what a hybrid model's stored bytes mean (MTP's conv-state
 length, the conv-state layout, the SSM dtype, NHD/HND, FlashInfer's kernel pages or
-FlashAttention's whole blocks, the chunk size, the object-group split, the fp8 format
-and k/v scales of the KV cache, the model's revision and quantization, the layout
-format) must make the objects written under the other setting a miss. Every row stores
-a prompt through a whole LMCache server on CPU over an fs L2 folder (restore_server),
-stops it, and looks the prompt up through a new server on the same folder with the
-other setting. A row with the same setting on both sides must restore every byte.
+FlashAttention's whole blocks, the chunk size, the fp8 format and k/v scales of the KV
+cache, the model's revision and quantization, the layout format) must make the objects
+written under the other setting a miss. Every row stores a prompt through a whole
+LMCache server on CPU over an fs L2 folder (restore_server), stops it, and looks the
+prompt up through a new server on the same folder with the other setting. A row with the
+same setting on both sides must restore every byte, and so must the object-group split,
+which changes no stored byte of a model without sliding-window layers.
 """
 
 from __future__ import annotations

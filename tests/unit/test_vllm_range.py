@@ -43,6 +43,13 @@ def test_a_vllm_outside_the_range_is_refused_at_engine_start(version, monkeypatc
 
 
 @pytest.mark.feature
+def test_a_later_vllm_is_pointed_to_the_0_5_6_based_build(monkeypatch):
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    with pytest.raises(RuntimeError, match=r"install --base 0\.5\.6"):
+        make_connector(make_kv_cache_config(num_spec_blocks=0), BLOCK, monkeypatch)
+
+
+@pytest.mark.feature
 def test_a_vllm_without_the_layout_hint_is_refused_naming_it(monkeypatch):
     from vllm.v1.attention.backends import utils
 
