@@ -315,6 +315,86 @@ def test_the_server_advertises_its_layout_format_and_the_client_reads_it():
     assert LAYOUT_FORMAT != 3, "the 0.5.3 series' format: its objects would share keys"
 
 
+class HandshakeServer:
+    """A request client that answers the scheduler adapter's handshake as a server
+    does: its chunk size and its GET_EXPERIMENTAL reply."""
+
+    def __init__(self, chunk: int, experimental: list[str]) -> None:
+        self.chunk = chunk
+        self.experimental = experimental
+
+    @staticmethod
+    def _answered(value: Any) -> Any:
+        from lmcache.v1.multiprocess.futures import MessagingFuture
+
+        future: MessagingFuture[Any] = MessagingFuture()
+        future.set_result(value)
+        return future
+
+    def get_chunk_size(self) -> Any:
+        return self._answered(self.chunk)
+
+    def get_experimental(self) -> Any:
+        return self._answered(self.experimental)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def scheduler_adapter(monkeypatch: pytest.MonkeyPatch):
+    """``make(chunk, replies)``: LMCache's real LMCacheMPSchedulerAdapter over one
+    server per GET_EXPERIMENTAL reply."""
+    import zmq
+
+    from lmcache.integration.vllm import vllm_multi_process_adapter as vmpa
+
+    ctx = zmq.Context()
+
+    def make(chunk: int, replies: list[list[str]]) -> Any:
+        servers = iter([HandshakeServer(chunk, reply) for reply in replies])
+        monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: next(servers))
+        strategy = vmpa.ParallelStrategy(
+            mla_only=False,
+            vllm_world_size=1,
+            vllm_worker_id=0,
+            tp_size=1,
+            pp_size=1,
+            n_servers=len(replies),
+        )
+        urls = [f"tcp://127.0.0.1:{5555 + i}" for i in range(len(replies))]
+        return vmpa.LMCacheMPSchedulerAdapter(urls, ctx, MODEL, chunk, strategy, mq_timeout=5.0)
+
+    yield make
+    ctx.destroy(linger=0)
+
+
+@pytest.mark.feature
+def test_the_scheduler_adapter_keeps_what_every_server_advertises(scheduler_adapter):
+    from lmcache.v1.distributed.layout_namespace import LAYOUT_FORMAT, server_layout_format
+    from lmcache.v1.multiprocess.modules.management import ManagementModule
+
+    this_build = ManagementModule(SimpleNamespace()).get_experimental()
+    one = scheduler_adapter(CHUNK, [this_build])
+    assert server_layout_format(one.experimental) == LAYOUT_FORMAT
+    beside_pristine = scheduler_adapter(CHUNK, [this_build, ["transfer_query"]])
+    assert server_layout_format(beside_pristine.experimental) == 0
+
+
+@pytest.mark.feature
+def test_a_hybrid_engine_over_the_real_scheduler_adapter_is_served(scheduler_adapter, monkeypatch):
+    """The scheduler-side connector built over LMCache's real adapter (whose server is
+    this build's) starts and keeps the hybrid cache."""
+    from vllm_sched_fakes import BLOCK, make_connector, make_kv_cache_config
+
+    from lmcache.v1.multiprocess.modules.management import ManagementModule
+
+    advertised = ManagementModule(SimpleNamespace()).get_experimental()
+    adapter = scheduler_adapter(BLOCK, [advertised])
+    connector = make_connector(make_kv_cache_config(0), BLOCK, monkeypatch, adapter=adapter)
+    assert connector._cache_refused is None
+
+
 @pytest.mark.feature
 def test_a_pristine_server_refuses_the_hybrid_cache():
     from lmcache.integration.vllm.lmcache_mp_connector import hybrid_cache_refusal

@@ -116,8 +116,8 @@ class FakeSchedulerAdapter:
         if server_layout_format is None:
             server_layout_format = this_build_layout_format()
         self.server_layout_formats = {"tcp://fake:5555": server_layout_format}
-        # 0.5.6's adapter keeps the server's GET_EXPERIMENTAL reply as a set: a
-        # server of the build under test, or one advertising another format.
+        # 0.5.6's adapter keeps what every server advertises in GET_EXPERIMENTAL
+        # as a set: a server of the build under test, or one of another format.
         self.experimental = {f"hybridfa-layout-format={server_layout_format}"}
         if server_layout_format == this_build_layout_format():
             self.experimental.update(this_build_experimental(fa_only_chunks))
