@@ -26,6 +26,7 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
+from handshake_client import HandshakeClient  # noqa: E402
 from vllm_sched_fakes import (  # noqa: E402
     BLOCK,
     SchedDriver,
@@ -42,26 +43,6 @@ pytestmark = pytest.mark.bases("0.5.6")
 NUM_BLOCKS = 10  # small enough that vLLM hands a just-freed block to the next request
 MARKER = {"a": 1.0, "b": 2.0}
 B_BLOCKS = 7  # b's prompt: its blocks and its last state block outnumber the unused ones
-
-
-def _answered(value: Any) -> MessagingFuture[Any]:
-    future: MessagingFuture[Any] = MessagingFuture()
-    future.set_result(value)
-    return future
-
-
-class HandshakeClient:
-    """The worker adapter's request client: answers the handshake (chunk size, no
-    experimental capabilities); stores go through the transfer context."""
-
-    def get_chunk_size(self) -> MessagingFuture[int]:
-        return _answered(BLOCK)
-
-    def get_experimental(self) -> MessagingFuture[list[str]]:
-        return _answered([])
-
-    def close(self) -> None:
-        pass
 
 
 class CopyWhenWaited(MessagingFuture[bool]):
@@ -116,7 +97,8 @@ def adapter(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     from lmcache.integration.vllm import vllm_multi_process_adapter as vmpa
 
-    monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: HandshakeClient())
+    client = HandshakeClient(BLOCK)
+    monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: client)
     strategy = vmpa.ParallelStrategy(
         mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1, pp_size=1, n_servers=1
     )

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.bases("0.5.6")
 
 pytest.importorskip("lmcache")
 
+from handshake_client import HandshakeClient  # noqa: E402
+
 README_ARGS = ["--l1-size-gb", "8", "--eviction-policy", "LRU"]
 BAD_SIZES = [0, -256]
 BLOCK = 16
@@ -38,34 +40,6 @@ def server_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmcache")
     ServerCommand().register(parser.add_subparsers())
     return parser
-
-
-class HandshakeClient:
-    """The adapters' request client: a server started with ``--chunk-size size``."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.closed = False
-
-    @staticmethod
-    def _answered(value: Any) -> Any:
-        from lmcache.v1.multiprocess.futures import MessagingFuture
-
-        future: MessagingFuture[Any] = MessagingFuture()
-        future.set_result(value)
-        return future
-
-    def get_chunk_size(self) -> Any:
-        return self._answered(self.size)
-
-    def get_experimental(self) -> Any:
-        return self._answered([])
-
-    def ping(self, *_: Any) -> Any:
-        return self._answered(True)
-
-    def close(self) -> None:
-        self.closed = True
 
 
 def build_adapter(monkeypatch: pytest.MonkeyPatch, which: str, size: int) -> Exception | None:

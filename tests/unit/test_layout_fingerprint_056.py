@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
+from handshake_client import HandshakeClient, this_builds_experimental  # noqa: E402
 from vllm_kv_alloc import (  # noqa: E402
     CONV_WIDTH,
     FA_LAYERS,
@@ -315,32 +316,6 @@ def test_the_server_advertises_its_layout_format_and_the_client_reads_it():
     assert LAYOUT_FORMAT != 3, "the 0.5.3 series' format: its objects would share keys"
 
 
-class HandshakeServer:
-    """A request client that answers the scheduler adapter's handshake as a server
-    does: its chunk size and its GET_EXPERIMENTAL reply."""
-
-    def __init__(self, chunk: int, experimental: list[str]) -> None:
-        self.chunk = chunk
-        self.experimental = experimental
-
-    @staticmethod
-    def _answered(value: Any) -> Any:
-        from lmcache.v1.multiprocess.futures import MessagingFuture
-
-        future: MessagingFuture[Any] = MessagingFuture()
-        future.set_result(value)
-        return future
-
-    def get_chunk_size(self) -> Any:
-        return self._answered(self.chunk)
-
-    def get_experimental(self) -> Any:
-        return self._answered(self.experimental)
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.fixture
 def scheduler_adapter(monkeypatch: pytest.MonkeyPatch):
     """``make(chunk, replies)``: LMCache's real LMCacheMPSchedulerAdapter over one
@@ -352,7 +327,7 @@ def scheduler_adapter(monkeypatch: pytest.MonkeyPatch):
     ctx = zmq.Context()
 
     def make(chunk: int, replies: list[list[str]]) -> Any:
-        servers = iter([HandshakeServer(chunk, reply) for reply in replies])
+        servers = iter([HandshakeClient(chunk, reply) for reply in replies])
         monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: next(servers))
         strategy = vmpa.ParallelStrategy(
             mla_only=False,
@@ -372,9 +347,8 @@ def scheduler_adapter(monkeypatch: pytest.MonkeyPatch):
 @pytest.mark.feature
 def test_the_scheduler_adapter_keeps_what_every_server_advertises(scheduler_adapter):
     from lmcache.v1.distributed.layout_namespace import LAYOUT_FORMAT, server_layout_format
-    from lmcache.v1.multiprocess.modules.management import ManagementModule
 
-    this_build = ManagementModule(SimpleNamespace()).get_experimental()
+    this_build = this_builds_experimental()
     one = scheduler_adapter(CHUNK, [this_build])
     assert server_layout_format(one.experimental) == LAYOUT_FORMAT
     beside_pristine = scheduler_adapter(CHUNK, [this_build, ["transfer_query"]])
@@ -387,10 +361,7 @@ def test_a_hybrid_engine_over_the_real_scheduler_adapter_is_served(scheduler_ada
     this build's) starts and keeps the hybrid cache."""
     from vllm_sched_fakes import BLOCK, make_connector, make_kv_cache_config
 
-    from lmcache.v1.multiprocess.modules.management import ManagementModule
-
-    advertised = ManagementModule(SimpleNamespace()).get_experimental()
-    adapter = scheduler_adapter(BLOCK, [advertised])
+    adapter = scheduler_adapter(BLOCK, [this_builds_experimental()])
     connector = make_connector(make_kv_cache_config(0), BLOCK, monkeypatch, adapter=adapter)
     assert connector._cache_refused is None
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
+from handshake_client import HandshakeClient, this_builds_experimental  # noqa: E402
 from vllm_sched_fakes import BLOCK, make_kv_cache_config  # noqa: E402
 
 pytestmark = pytest.mark.bases("0.5.6")
@@ -30,30 +30,6 @@ KV_TRANSFER = {
     "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
     "kv_role": "kv_both",
 }
-
-
-class ThisBuildsServer:
-    """The scheduler adapter's request client: answers the handshake (chunk size, the
-    capabilities this build's server advertises)."""
-
-    @staticmethod
-    def _answered(value: Any) -> Any:
-        from lmcache.v1.multiprocess.futures import MessagingFuture
-
-        future: MessagingFuture[Any] = MessagingFuture()
-        future.set_result(value)
-        return future
-
-    def get_chunk_size(self) -> Any:
-        return self._answered(BLOCK)
-
-    def get_experimental(self) -> Any:
-        from lmcache.v1.multiprocess.modules.management import ManagementModule
-
-        return self._answered(ManagementModule(SimpleNamespace()).get_experimental())
-
-    def close(self) -> None:
-        pass
 
 
 def engine_config(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -95,7 +71,8 @@ def test_a_hybrid_engine_s_scheduler_starts_with_the_connector(tmp_path, monkeyp
     from lmcache.integration.vllm import vllm_multi_process_adapter as vmpa
 
     config = engine_config(write_model_dir(MODELS["olmo-r5"], tmp_path), monkeypatch)
-    monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: ThisBuildsServer())
+    server = HandshakeClient(BLOCK, this_builds_experimental())
+    monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: server)
     kv_cache_config = make_kv_cache_config(0)
     config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     scheduler = Scheduler(
