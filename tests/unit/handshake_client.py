@@ -16,8 +16,9 @@ def answered(value: Any) -> Any:
     return future
 
 
-def this_builds_experimental() -> list[str]:
-    """What a server of the build under test answers to GET_EXPERIMENTAL."""
+def real_server_experimental() -> list[str]:
+    """What the build under test's server (its real ManagementModule) answers to
+    GET_EXPERIMENTAL (vllm_sched_fakes.this_build_experimental spells out only the markers)."""
     from types import SimpleNamespace
 
     from lmcache.v1.multiprocess.modules.management import ManagementModule

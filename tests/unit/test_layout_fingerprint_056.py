@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-from handshake_client import HandshakeClient, this_builds_experimental  # noqa: E402
+from handshake_client import HandshakeClient, real_server_experimental  # noqa: E402
 from vllm_kv_alloc import (  # noqa: E402
     CONV_WIDTH,
     FA_LAYERS,
@@ -348,7 +348,7 @@ def scheduler_adapter(monkeypatch: pytest.MonkeyPatch):
 def test_the_scheduler_adapter_keeps_what_every_server_advertises(scheduler_adapter):
     from lmcache.v1.distributed.layout_namespace import LAYOUT_FORMAT, server_layout_format
 
-    this_build = this_builds_experimental()
+    this_build = real_server_experimental()
     one = scheduler_adapter(CHUNK, [this_build])
     assert server_layout_format(one.experimental) == LAYOUT_FORMAT
     beside_pristine = scheduler_adapter(CHUNK, [this_build, ["transfer_query"]])
@@ -361,7 +361,7 @@ def test_a_hybrid_engine_over_the_real_scheduler_adapter_is_served(scheduler_ada
     this build's) starts and keeps the hybrid cache."""
     from vllm_sched_fakes import BLOCK, make_connector, make_kv_cache_config
 
-    adapter = scheduler_adapter(BLOCK, [this_builds_experimental()])
+    adapter = scheduler_adapter(BLOCK, [real_server_experimental()])
     connector = make_connector(make_kv_cache_config(0), BLOCK, monkeypatch, adapter=adapter)
     assert connector._cache_refused is None
 

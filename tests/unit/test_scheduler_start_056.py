@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-from handshake_client import HandshakeClient, this_builds_experimental  # noqa: E402
+from handshake_client import HandshakeClient, real_server_experimental  # noqa: E402
 from vllm_sched_fakes import BLOCK, make_kv_cache_config  # noqa: E402
 
 pytestmark = pytest.mark.bases("0.5.6")
@@ -71,7 +71,7 @@ def test_a_hybrid_engine_s_scheduler_starts_with_the_connector(tmp_path, monkeyp
     from lmcache.integration.vllm import vllm_multi_process_adapter as vmpa
 
     config = engine_config(write_model_dir(MODELS["olmo-r5"], tmp_path), monkeypatch)
-    server = HandshakeClient(BLOCK, this_builds_experimental())
+    server = HandshakeClient(BLOCK, real_server_experimental())
     monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: server)
     kv_cache_config = make_kv_cache_config(0)
     config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
