@@ -17,15 +17,18 @@ z.extractall(sys.argv[2], [n for n in z.namelist() if not n.endswith(".so")])' "
   touch "$DIR/.done"
 fi
 # Pure-Python modules that later vLLMs import at module level and the venv (made for
-# vLLM 0.26.0) lacks go into the overlay folder too.
-if [ ! -f "$DIR/.extras-done" ]; then
-  for PKG in partial-json-parser; do
-    MOD=${PKG//-/_}
-    if grep -qi "^Requires-Dist: $PKG" "$DIR"/vllm-*.dist-info/METADATA \
-      && ! "$PY" -c "import $MOD" 2>/dev/null; then
-      "$PY" -m pip install -q --no-deps --no-compile --target "$DIR" "$PKG" >&2
+# vLLM 0.26.0) lacks go into the overlay folder too, at the version vLLM pins:
+# compressed-tensors (and its loguru) is imported by 0.33's and 0.34's model inspection.
+EXTRAS="partial-json-parser compressed-tensors,loguru"  # PACKAGE[,ITS DEPENDENCIES]
+if [ "$(cat "$DIR/.extras-done" 2>/dev/null)" != "$EXTRAS" ]; then
+  for ITEM in $EXTRAS; do
+    IFS=, read -r PKG DEPS <<< "$ITEM"
+    SPEC=$(sed -n "s/^Requires-Dist: \($PKG\b[^;]*\).*/\1/Ip" "$DIR"/vllm-*.dist-info/METADATA | head -1)
+    if [ -n "$SPEC" ] && ! "$PY" -c "import ${PKG//-/_}" 2>/dev/null; then
+      # shellcheck disable=SC2086  # DEPS: a list
+      "$PY" -m pip install -q --no-deps --no-compile --target "$DIR" "$SPEC" ${DEPS//,/ } >&2
     fi
   done
-  touch "$DIR/.extras-done"
+  echo "$EXTRAS" > "$DIR/.extras-done"
 fi
 echo "$DIR"

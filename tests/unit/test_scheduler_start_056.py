@@ -11,8 +11,6 @@ attribute the real adapter did not have.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,47 +18,11 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-from handshake_client import HandshakeClient, real_server_experimental  # noqa: E402
+from handshake_client import HandshakeClient, answered, real_server_experimental  # noqa: E402
+from vllm_cpu_engine import engine_config  # noqa: E402
 from vllm_sched_fakes import BLOCK, make_kv_cache_config  # noqa: E402
 
 pytestmark = pytest.mark.bases("0.5.6")
-
-KV_TRANSFER = {
-    "kv_connector": "LMCacheMPConnector",
-    "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
-    "kv_role": "kv_both",
-}
-
-
-def engine_config(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """vLLM's own engine config of a hybrid model with this connector, on the CPU
-    platform; a skip where this vLLM cannot inspect the model without packages the CPU
-    test environment lacks (0.33 and later import the model's module to inspect it)."""
-    import vllm.platforms
-    from pydantic import ValidationError
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms.cpu import CpuPlatform
-
-    # vLLM's modules bind the platform when first imported (here by earlier imports).
-    cpu = CpuPlatform()
-    monkeypatch.setattr(vllm.platforms, "_current_platform", cpu)
-    for name, module in list(sys.modules.items()):
-        if name.startswith("vllm.") and "current_platform" in vars(module):
-            monkeypatch.setattr(module, "current_platform", cpu)
-    args = EngineArgs(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        max_model_len=4096,
-        block_size=BLOCK,
-        enable_prefix_caching=True,
-        kv_transfer_config=KV_TRANSFER,
-    )
-    try:
-        return args.create_engine_config()
-    except ValidationError as e:
-        if "failed to be inspected" not in str(e):
-            raise
-        pytest.skip(f"this vLLM cannot inspect the model on this machine: {e.errors()[0]['msg']}")
 
 
 def test_a_hybrid_engine_s_scheduler_starts_with_the_connector(tmp_path, monkeypatch):
@@ -70,7 +32,7 @@ def test_a_hybrid_engine_s_scheduler_starts_with_the_connector(tmp_path, monkeyp
     from hybridfa_gate.models import MODELS, write_model_dir
     from lmcache.integration.vllm import vllm_multi_process_adapter as vmpa
 
-    config = engine_config(write_model_dir(MODELS["olmo-r5"], tmp_path), monkeypatch)
+    config = engine_config(write_model_dir(MODELS["olmo-r5"], tmp_path), BLOCK, monkeypatch)
     server = HandshakeClient(BLOCK, real_server_experimental())
     monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: server)
     kv_cache_config = make_kv_cache_config(0)
@@ -83,3 +45,92 @@ def test_a_hybrid_engine_s_scheduler_starts_with_the_connector(tmp_path, monkeyp
     )
     assert type(scheduler.connector).__name__ == "LMCacheMPConnector"
     assert scheduler.connector._cache_refused is None
+
+
+class FreshServer(HandshakeClient):
+    """A server that holds nothing yet: every lookup is a miss."""
+
+    def lookup(self, *_: Any) -> Any:
+        return answered(None)
+
+    def query_prefetch_status(self, *_: Any) -> Any:
+        return answered(0)
+
+    def free_lookup_locks(self, *_: Any) -> Any:
+        return answered(None)
+
+    def end_session(self, *_: Any) -> Any:
+        return answered(None)
+
+    def report_block_allocation(self, *_: Any) -> Any:
+        return answered(None)
+
+
+def model_runner_output(scheduler: Any, output: Any) -> Any:
+    """What the model runner returns for a scheduled step: one sampled token for each
+    request whose prompt is now computed, none for a partial prefill."""
+    from dataclasses import fields
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(output.num_scheduled_tokens)
+    sampled = [
+        [7]
+        if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens
+        else []
+        for r in req_ids
+    ]
+    extra = {}
+    if "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}:  # vLLM < 0.34
+        extra["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **extra)
+
+
+def test_a_hybrid_request_runs_through_the_scheduler_and_its_chunks_are_stored_once(
+    tmp_path, monkeypatch
+):
+    """One prompt of three chunks and five tokens through vLLM's scheduler to its last
+    token: the lookup misses, the connector's metadata stores the three complete chunks
+    once, and the request finishes."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from hybridfa_gate.models import MODELS, write_model_dir
+    from lmcache.integration.vllm import vllm_multi_process_adapter as vmpa
+
+    config = engine_config(write_model_dir(MODELS["olmo-r5"], tmp_path), BLOCK, monkeypatch)
+    server = FreshServer(BLOCK, real_server_experimental())
+    monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: server)
+    kv_cache_config = make_kv_cache_config(0)
+    config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+    )
+    prompt = list(range(1, 3 * BLOCK + 6))
+    request = Request(
+        "req-0",
+        prompt,
+        SamplingParams(max_tokens=4, ignore_eos=True),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+    scheduler.add_request(request)
+    stores = []
+    for _ in range(12):
+        output = scheduler.schedule()
+        stores += [r for r in output.kv_connector_metadata.requests if r.direction == "STORE"]
+        scheduler.update_from_output(output, model_runner_output(scheduler, output))
+        if request.is_finished():
+            break
+    assert request.is_finished() and len(request.output_token_ids) == 4
+    assert [(r.request_id, r.op.start, r.op.end) for r in stores] == [("req-0", 0, 3 * BLOCK)]
+    op = stores[0].op
+    assert op.token_ids[: op.end] == prompt[: op.end]
+    assert [len(ids) for ids in op.block_ids] == [3, 3], op.block_ids
