@@ -6,7 +6,9 @@ which asks each server for its chunk size and its capabilities. Here all of it i
 the server (a request client that answers that handshake as this build's server does) and the
 model (a tiny OlmoHybrid config without weights; vLLM's CPU platform builds the engine config).
 On a GPU, revision 6 of this base stopped every engine right there: the connector read an
-attribute the real adapter did not have.
+attribute the real adapter did not have. A request then runs through the scheduler to its
+last token (the model runner's outputs stood in for), past the steps where pristine 0.5.6
+crashes on vLLM 0.34.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from vllm_sched_fakes import BLOCK, make_kv_cache_config  # noqa: E402
 pytestmark = pytest.mark.bases("0.5.6")
 
 
-def test_a_hybrid_engine_s_scheduler_starts_with_the_connector(tmp_path, monkeypatch):
+def make_scheduler(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, server: type) -> Any:
+    """vLLM's Scheduler of a tiny OlmoHybrid with this connector, its servers ``server``
+    (a HandshakeClient class) started with chunk size BLOCK."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -33,16 +37,20 @@ def test_a_hybrid_engine_s_scheduler_starts_with_the_connector(tmp_path, monkeyp
     from lmcache.integration.vllm import vllm_multi_process_adapter as vmpa
 
     config = engine_config(write_model_dir(MODELS["olmo-r5"], tmp_path), BLOCK, monkeypatch)
-    server = HandshakeClient(BLOCK, real_server_experimental())
-    monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: server)
+    client = server(BLOCK, real_server_experimental())
+    monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: client)
     kv_cache_config = make_kv_cache_config(0)
     config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    scheduler = Scheduler(
+    return Scheduler(
         vllm_config=config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK,
     )
+
+
+def test_a_hybrid_engine_s_scheduler_starts_with_the_connector(tmp_path, monkeypatch):
+    scheduler = make_scheduler(tmp_path, monkeypatch, HandshakeClient)
     assert type(scheduler.connector).__name__ == "LMCacheMPConnector"
     assert scheduler.connector._cache_refused is None
 
@@ -95,24 +103,9 @@ def test_a_hybrid_request_runs_through_the_scheduler_and_its_chunks_are_stored_o
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
 
-    from hybridfa_gate.models import MODELS, write_model_dir
-    from lmcache.integration.vllm import vllm_multi_process_adapter as vmpa
-
-    config = engine_config(write_model_dir(MODELS["olmo-r5"], tmp_path), BLOCK, monkeypatch)
-    server = FreshServer(BLOCK, real_server_experimental())
-    monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: server)
-    kv_cache_config = make_kv_cache_config(0)
-    config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    scheduler = Scheduler(
-        vllm_config=config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=BLOCK,
-    )
+    scheduler = make_scheduler(tmp_path, monkeypatch, FreshServer)
     prompt = list(range(1, 3 * BLOCK + 6))
     request = Request(
         "req-0",
