@@ -1,9 +1,9 @@
-"""What the connector reads from LMCache's adapters, the real adapters define (0.5.6 base).
+"""What the connector reads from LMCache's adapters, the real adapters define (both bases).
 
 The connector's tests stand the scheduler adapter in with a fake; an attribute the fake has
 and the real adapter never sets passes every such test and stops every engine at start.
-Revision 6 of this base read one (``experimental``) from the scheduler adapter: on a GPU no
-engine started. Here the connector module's own source is read for every
+Revision 6 of the 0.5.6 base read one (``experimental``) from the scheduler adapter: on a GPU
+no engine started. Here the connector module's own source is read for every
 ``self.scheduler_adapter.<name>`` and ``self.worker_adapter.<name>``, and each name must be
 defined by the real class: a class attribute, method or property, or assigned to ``self`` in
 one of its methods.
@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-pytestmark = pytest.mark.bases("0.5.6")
+pytestmark = pytest.mark.bases("0.5.3", "0.5.6")
 
 
 def read_from(module: object, owner: str) -> set[str]:
