@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-from handshake_client import HandshakeClient  # noqa: E402
+from handshake_client import HandshakeClient, connect_to, one_gpu  # noqa: E402
 from vllm_sched_fakes import (  # noqa: E402
     BLOCK,
     SchedDriver,
@@ -97,14 +97,10 @@ def adapter(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     from lmcache.integration.vllm import vllm_multi_process_adapter as vmpa
 
-    client = HandshakeClient(BLOCK)
-    monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: client)
-    strategy = vmpa.ParallelStrategy(
-        mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1, pp_size=1, n_servers=1
-    )
+    connect_to(monkeypatch, HandshakeClient(BLOCK))
     ctx = zmq.Context()
     worker = vmpa.LMCacheMPWorkerAdapter(
-        "tcp://127.0.0.1:1", ctx, "stub-model", BLOCK, strategy, mq_timeout=5.0
+        "tcp://127.0.0.1:1", ctx, "stub-model", BLOCK, one_gpu(), mq_timeout=5.0
     )
     monkeypatch.setattr(worker, "_ensure_heartbeat_started", lambda: None)
     yield worker

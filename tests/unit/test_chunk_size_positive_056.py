@@ -25,7 +25,7 @@ pytestmark = pytest.mark.bases("0.5.6")
 
 pytest.importorskip("lmcache")
 
-from handshake_client import HandshakeClient  # noqa: E402
+from handshake_client import HandshakeClient, connect_to, one_gpu  # noqa: E402
 
 README_ARGS = ["--l1-size-gb", "8", "--eviction-policy", "LRU"]
 BAD_SIZES = [0, -256]
@@ -49,11 +49,8 @@ def build_adapter(monkeypatch: pytest.MonkeyPatch, which: str, size: int) -> Exc
 
     from lmcache.integration.vllm import vllm_multi_process_adapter as vmpa
 
-    client = HandshakeClient(size)
-    monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: client)
-    strategy = vmpa.ParallelStrategy(
-        mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1, pp_size=1, n_servers=1
-    )
+    connect_to(monkeypatch, HandshakeClient(size))
+    strategy = one_gpu()
     ctx = zmq.Context()
     ctx.linger = 0
     url = "tcp://127.0.0.1:1"

@@ -20,13 +20,19 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-from handshake_client import HandshakeClient, real_server_experimental  # noqa: E402
+from handshake_client import (  # noqa: E402
+    HandshakeClient,
+    connect_to,
+    one_gpu,
+    real_server_experimental,
+)
 from vllm_kv_alloc import (  # noqa: E402
     CONV_WIDTH,
     FA_LAYERS,
     _Wrapper,
     build_registration,
     layer_name,
+    over_the_queue,
 )
 
 pytestmark = pytest.mark.bases("0.5.6")
@@ -38,19 +44,15 @@ CHUNK = 16
 def group_infos(reg: Any, engine_identity: str | None = None) -> tuple[dict, list, dict]:
     """The connector's edited views, its group infos (as they cross the message queue)
     and its layout hints."""
-    import msgspec
-
     from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
     from lmcache.integration.vllm.kv_cache_groups import create_engine_group_infos_from_vllm
     from lmcache.integration.vllm.utils import translate_vllm_kv_cache_layout
-    from lmcache.v1.multiprocess.group_view import EngineGroupInfo
 
     hints = {"kv_layout": translate_vllm_kv_cache_layout(reg.layout)}
     edited = apply_kv_cache_group_edits(reg.config, dict(reg.kv_caches), layout_hints=hints)
     kwargs = {} if engine_identity is None else {"engine_identity": engine_identity}
     infos = create_engine_group_infos_from_vllm(reg.config, edited, layout_hints=hints, **kwargs)
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(infos), type=list[EngineGroupInfo])
-    return edited, wire, hints
+    return edited, over_the_queue(infos), hints
 
 
 class _Context(SimpleNamespace):
@@ -327,17 +329,9 @@ def scheduler_adapter(monkeypatch: pytest.MonkeyPatch):
     ctx = zmq.Context()
 
     def make(chunk: int, replies: list[list[str]]) -> Any:
-        servers = iter([HandshakeClient(chunk, reply) for reply in replies])
-        monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: next(servers))
-        strategy = vmpa.ParallelStrategy(
-            mla_only=False,
-            vllm_world_size=1,
-            vllm_worker_id=0,
-            tp_size=1,
-            pp_size=1,
-            n_servers=len(replies),
-        )
+        connect_to(monkeypatch, *[HandshakeClient(chunk, reply) for reply in replies])
         urls = [f"tcp://127.0.0.1:{5555 + i}" for i in range(len(replies))]
+        strategy = one_gpu(n_servers=len(replies))
         return vmpa.LMCacheMPSchedulerAdapter(urls, ctx, MODEL, chunk, strategy, mq_timeout=5.0)
 
     yield make

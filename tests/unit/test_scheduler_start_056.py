@@ -20,7 +20,12 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-from handshake_client import HandshakeClient, answered, real_server_experimental  # noqa: E402
+from handshake_client import (  # noqa: E402
+    HandshakeClient,
+    answered,
+    connect_to,
+    real_server_experimental,
+)
 from vllm_cpu_engine import engine_config  # noqa: E402
 from vllm_sched_fakes import BLOCK, make_kv_cache_config  # noqa: E402
 
@@ -34,11 +39,9 @@ def make_scheduler(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, server: type)
     from vllm.v1.structured_output import StructuredOutputManager
 
     from hybridfa_gate.models import MODELS, write_model_dir
-    from lmcache.integration.vllm import vllm_multi_process_adapter as vmpa
 
     config = engine_config(write_model_dir(MODELS["olmo-r5"], tmp_path), BLOCK, monkeypatch)
-    client = server(BLOCK, real_server_experimental())
-    monkeypatch.setattr(vmpa.RequestClientFactory, "create", lambda *_, **__: client)
+    connect_to(monkeypatch, server(BLOCK, real_server_experimental()))
     kv_cache_config = make_kv_cache_config(0)
     config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     return Scheduler(

@@ -21,11 +21,11 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-from handshake_client import HandshakeClient, real_server_experimental  # noqa: E402
+from handshake_client import HandshakeClient, connect_to, real_server_experimental  # noqa: E402
 from log_recorder import Recorder  # noqa: E402
 from mp_server_056 import CHUNK, TOKENS_PER_BLOCK, Server  # noqa: E402
 from vllm_cpu_engine import engine_config  # noqa: E402
-from vllm_kv_alloc import _Wrapper, build_registration  # noqa: E402
+from vllm_kv_alloc import _Wrapper, build_registration, over_the_queue  # noqa: E402
 
 pytestmark = pytest.mark.bases("0.5.6")
 
@@ -50,13 +50,6 @@ class QueueToServer:
         engine_group_infos: Any = (),
         engine_type: Any = None,
     ) -> None:
-        import msgspec
-
-        from lmcache.v1.multiprocess.group_view import EngineGroupInfo
-
-        infos = msgspec.msgpack.decode(
-            msgspec.msgpack.encode(list(engine_group_infos)), type=list[EngineGroupInfo]
-        )
         self.model_name = model_name
         self.layout_hints = dict(layout_hints or {})
         self.server.transfer.register_kv_cache(
@@ -66,7 +59,7 @@ class QueueToServer:
             world_size,
             engine_type,
             self.layout_hints,
-            infos,
+            over_the_queue(engine_group_infos),
         )
 
     def close(self) -> None:
@@ -89,11 +82,7 @@ def test_a_hybrid_engine_s_worker_registers_its_kv_cache(tmp_path, monkeypatch, 
     base = tmp_path / "l2"
     server = Server(base, f'{{"type":"fs","base_path":"{base}"}}')
     queue = QueueToServer(server)
-    monkeypatch.setattr(
-        vmpa.RequestClientFactory,
-        "create",
-        lambda *_, **__: HandshakeClient(CHUNK, real_server_experimental()),
-    )
+    connect_to(monkeypatch, HandshakeClient(CHUNK, real_server_experimental()))
     monkeypatch.setattr(vmpa, "create_transfer_context", lambda *_, **__: queue)
     server_log = Recorder()
     monkeypatch.setattr(lmcache_driven_transfer, "logger", server_log)

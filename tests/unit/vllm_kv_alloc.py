@@ -108,6 +108,16 @@ def build_registration(
     return Registration(config, kv_caches, layout, tokens_per_block, kernel_block)
 
 
+def over_the_queue(infos: Any) -> list[Any]:
+    """Engine group infos as the server receives them (msgpack, as the message queue
+    carries them)."""
+    import msgspec
+
+    from lmcache.v1.multiprocess.group_view import EngineGroupInfo
+
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(list(infos)), type=list[EngineGroupInfo])
+
+
 class _Wrapper:
     """Stands in for the IPC wrapper the server receives for each registered tensor."""
 
@@ -123,20 +133,17 @@ def register(
 ) -> tuple[Any, list[Any]]:
     """The connector's edits and group infos, then the server's cache context for them
     and the group infos that crossed the message queue."""
-    import msgspec
-
     from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
     from lmcache.integration.vllm.kv_cache_groups import create_engine_group_infos_from_vllm
     from lmcache.integration.vllm.utils import translate_vllm_kv_cache_layout
     from lmcache.utils import EngineType
-    from lmcache.v1.multiprocess.group_view import EngineGroupInfo
     from lmcache.v1.platform.cache_context import create_cache_context
 
     # What vllm_layout_hints reads from CacheConfig.get_resolved_kv_cache_layout().
     hints = {"kv_layout": translate_vllm_kv_cache_layout(reg.layout)}
     edited = apply_kv_cache_group_edits(reg.config, dict(reg.kv_caches), layout_hints=hints)
     infos = create_engine_group_infos_from_vllm(reg.config, edited, layout_hints=hints)
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(infos), type=list[EngineGroupInfo])
+    wire = over_the_queue(infos)
     ctx = create_cache_context(
         [_Wrapper(t) for t in edited.values()],
         chunk_size,
