@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fs_l2_driver import Buf, wait_for
-from vllm_kv_alloc import _Wrapper, build_registration
+from vllm_kv_alloc import _Wrapper, build_registration, connector_view
 
 MODEL = "org/hybrid"
 TOKENS_PER_BLOCK = 16
@@ -45,15 +45,10 @@ class Server:
         self.l2 = self.ctx.storage_manager.l2_adapters()[0][1]
 
     def register(self, hybrid: bool) -> None:
-        from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
-        from lmcache.integration.vllm.kv_cache_groups import create_engine_group_infos_from_vllm
-        from lmcache.integration.vllm.utils import translate_vllm_kv_cache_layout
         from lmcache.utils import EngineType
 
         reg = build_registration(TOKENS_PER_BLOCK, TOKENS_PER_BLOCK, "LBNHC")
-        hints = {"kv_layout": translate_vllm_kv_cache_layout(reg.layout)}
-        edited = apply_kv_cache_group_edits(reg.config, dict(reg.kv_caches), layout_hints=hints)
-        infos = create_engine_group_infos_from_vllm(reg.config, edited, layout_hints=hints)
+        edited, infos, hints = connector_view(reg)
         if not hybrid:  # the FA group alone: what a dense model registers
             fa = [i for i in infos if not i.recurrent_state]
             names = list(edited)

@@ -31,28 +31,14 @@ from vllm_kv_alloc import (  # noqa: E402
     FA_LAYERS,
     _Wrapper,
     build_registration,
+    connector_view,
     layer_name,
-    over_the_queue,
 )
 
 pytestmark = pytest.mark.bases("0.5.6")
 
 MODEL = "org/hybrid-3to1"
 CHUNK = 16
-
-
-def group_infos(reg: Any, engine_identity: str | None = None) -> tuple[dict, list, dict]:
-    """The connector's edited views, its group infos (as they cross the message queue)
-    and its layout hints."""
-    from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
-    from lmcache.integration.vllm.kv_cache_groups import create_engine_group_infos_from_vllm
-    from lmcache.integration.vllm.utils import translate_vllm_kv_cache_layout
-
-    hints = {"kv_layout": translate_vllm_kv_cache_layout(reg.layout)}
-    edited = apply_kv_cache_group_edits(reg.config, dict(reg.kv_caches), layout_hints=hints)
-    kwargs = {} if engine_identity is None else {"engine_identity": engine_identity}
-    infos = create_engine_group_infos_from_vllm(reg.config, edited, layout_hints=hints, **kwargs)
-    return edited, over_the_queue(infos), hints
 
 
 class _Context(SimpleNamespace):
@@ -102,7 +88,7 @@ class Server:
     def register(self, instance_id: int, reg: Any, engine_identity: str | None = None) -> None:
         from lmcache.utils import EngineType
 
-        edited, infos, hints = group_infos(reg, engine_identity)
+        edited, infos, hints = connector_view(reg, engine_identity)
         self.module.register_kv_cache(
             instance_id,
             [_Wrapper(t) for t in edited.values()],
@@ -211,7 +197,7 @@ def test_an_undeclared_hybrid_client_is_refused(server):
 
     from lmcache.utils import EngineType
 
-    edited, infos, hints = group_infos(build_registration(16, 16, "LBNHC"))
+    edited, infos, hints = connector_view(build_registration(16, 16, "LBNHC"))
     pristine_infos = [msgspec.structs.replace(i, layout_format=0) for i in infos]
     server.register(1, build_registration(16, 16, "LBNHC"))
     declared = server.model_name()

@@ -30,9 +30,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-from test_layout_fingerprint_056 import MODEL, Server, group_infos  # noqa: E402
+from test_layout_fingerprint_056 import MODEL, Server  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm_kv_alloc import build_registration  # noqa: E402
+from vllm_kv_alloc import build_registration, connector_view  # noqa: E402
 from vllm_sched_fakes import (  # noqa: E402
     BLOCK,
     NULL_BLOCK_ID,
@@ -191,7 +191,7 @@ def _stored(monkeypatch: pytest.MonkeyPatch, separate_object_groups: bool | None
         )
         tokens = tuple(range(NUM_CHUNKS * SERVER_CHUNK))
         key = IPCCacheServerKey(MODEL, 1, 0, tokens, 0, len(tokens), "req-0")
-        _, infos, _ = group_infos(reg)
+        _, infos, _ = connector_view(reg)
         ids = expand_engine_block_ids(infos, _engine_block_ids())
         _, ok, _ = server.module.store_with_chunk_mask(key, 1, ids, handle)
         assert ok, "the store failed"

@@ -22,8 +22,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-from test_layout_fingerprint_056 import MODEL, group_infos  # noqa: E402
-from vllm_kv_alloc import _Wrapper, build_registration  # noqa: E402
+from test_layout_fingerprint_056 import MODEL  # noqa: E402
+from vllm_kv_alloc import _Wrapper, build_registration, connector_view  # noqa: E402
 
 pytestmark = pytest.mark.bases("0.5.6")
 
@@ -52,7 +52,7 @@ class Server:
         )
         self.ctx = MPCacheServerContext(config, chunk_size=CHUNK)
         self.transfer = LMCacheDrivenTransferModule(self.ctx)
-        edited, infos, hints = group_infos(build_registration(16, 16, "LBNHC"))
+        edited, infos, hints = connector_view(build_registration(16, 16, "LBNHC"))
         self.transfer.register_kv_cache(
             1, [_Wrapper(t) for t in edited.values()], MODEL, 1, EngineType.VLLM, hints, infos
         )

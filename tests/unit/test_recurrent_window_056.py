@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
 from test_layout_fingerprint_056 import Server  # noqa: E402
-from vllm_kv_alloc import FA_LAYERS, _Wrapper, build_registration  # noqa: E402
+from vllm_kv_alloc import FA_LAYERS, _Wrapper, build_registration, connector_view  # noqa: E402
 from vllm_sched_fakes import (  # noqa: E402
     BLOCK,
     NULL_BLOCK_ID,
@@ -49,17 +49,11 @@ def restore_bytes(num_hit_chunks: int, *argv: str) -> int:
     object group's objects of the hit chunks in its window."""
     import torch
 
-    from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
-    from lmcache.integration.vllm.kv_cache_groups import create_engine_group_infos_from_vllm
-    from lmcache.integration.vllm.utils import translate_vllm_kv_cache_layout
     from lmcache.utils import EngineType
     from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import get_layout_desc
     from lmcache.v1.platform.cache_context import create_cache_context
 
-    reg = build_registration(16, 16, "LBNHC")
-    hints = {"kv_layout": translate_vllm_kv_cache_layout(reg.layout)}
-    edited = apply_kv_cache_group_edits(reg.config, dict(reg.kv_caches), layout_hints=hints)
-    infos = create_engine_group_infos_from_vllm(reg.config, edited, layout_hints=hints)
+    edited, infos, hints = connector_view(build_registration(16, 16, "LBNHC"))
     ctx = create_cache_context(
         [_Wrapper(t) for t in edited.values()],
         CHUNK,

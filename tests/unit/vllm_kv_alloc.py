@@ -128,22 +128,32 @@ class _Wrapper:
         return self._tensor
 
 
-def register(
-    reg: Registration, chunk_size: int, separate_object_groups: bool = False
-) -> tuple[Any, list[Any]]:
-    """The connector's edits and group infos, then the server's cache context for them
-    and the group infos that crossed the message queue."""
+def connector_view(
+    reg: Registration, engine_identity: str | None = None
+) -> tuple[dict[str, torch.Tensor], list[Any], dict[str, str]]:
+    """What the connector registers for ``reg``: its edited views, its group infos as they
+    cross the message queue, and its layout hints."""
     from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
     from lmcache.integration.vllm.kv_cache_groups import create_engine_group_infos_from_vllm
     from lmcache.integration.vllm.utils import translate_vllm_kv_cache_layout
-    from lmcache.utils import EngineType
-    from lmcache.v1.platform.cache_context import create_cache_context
 
     # What vllm_layout_hints reads from CacheConfig.get_resolved_kv_cache_layout().
     hints = {"kv_layout": translate_vllm_kv_cache_layout(reg.layout)}
     edited = apply_kv_cache_group_edits(reg.config, dict(reg.kv_caches), layout_hints=hints)
-    infos = create_engine_group_infos_from_vllm(reg.config, edited, layout_hints=hints)
-    wire = over_the_queue(infos)
+    kwargs = {} if engine_identity is None else {"engine_identity": engine_identity}
+    infos = create_engine_group_infos_from_vllm(reg.config, edited, layout_hints=hints, **kwargs)
+    return edited, over_the_queue(infos), hints
+
+
+def register(
+    reg: Registration, chunk_size: int, separate_object_groups: bool = False
+) -> tuple[Any, list[Any]]:
+    """The server's cache context for what the connector registers, and the group infos that
+    crossed the message queue."""
+    from lmcache.utils import EngineType
+    from lmcache.v1.platform.cache_context import create_cache_context
+
+    edited, wire, hints = connector_view(reg)
     ctx = create_cache_context(
         [_Wrapper(t) for t in edited.values()],
         chunk_size,
