@@ -342,15 +342,30 @@ def host_object(raw: torch.Tensor, layout: Any = None) -> Any:
     return TensorMemoryObj(raw, meta, None)
 
 
-def start_server(kv: HybridKV, chunk_size: int, monkeypatch: pytest.MonkeyPatch) -> Server:
-    """Register ``kv`` the way LMCacheMPConnector does and return the server side."""
-    import msgspec
-
+def connector_view(kv: HybridKV) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """What LMCacheMPConnector registers for ``kv``: the edited KV tensors and the group
+    infos built from them under the layout hint."""
     from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
     from lmcache.integration.vllm.kv_cache_groups import create_engine_group_infos_from_vllm
+
+    hints = {"kv_layout": kv.layout}
+    edited = apply_kv_cache_group_edits(kv.config, dict(kv.kv_caches), layout_hints=hints)
+    return edited, create_engine_group_infos_from_vllm(kv.config, edited, layout_hints=hints)
+
+
+def over_the_queue(infos: list[Any]) -> list[Any]:
+    """``infos`` as the server receives them: a msgspec msgpack round trip."""
+    import msgspec
+
+    from lmcache.v1.multiprocess.group_view import EngineGroupInfo
+
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(infos), type=list[EngineGroupInfo])
+
+
+def start_server(kv: HybridKV, chunk_size: int, monkeypatch: pytest.MonkeyPatch) -> Server:
+    """Register ``kv`` the way LMCacheMPConnector does and return the server side."""
     from lmcache.utils import EngineType
     from lmcache.v1.gpu_connector.kv_format.detectors import vllm as vllm_detector
-    from lmcache.v1.multiprocess.group_view import EngineGroupInfo
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as transfer
 
     # lmcache 0.5.3's detector forces HND on CPU; the GPU path honours the hint.
@@ -360,10 +375,8 @@ def start_server(kv: HybridKV, chunk_size: int, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(transfer, "submit_callback_to_stream", lambda *a, **k: None)
 
     hints = {"kv_layout": kv.layout}
-    edited = apply_kv_cache_group_edits(kv.config, dict(kv.kv_caches), layout_hints=hints)
-    infos = create_engine_group_infos_from_vllm(kv.config, edited, layout_hints=hints)
-    # What crosses the message queue: msgspec-encoded group infos.
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(infos), type=list[EngineGroupInfo])
+    edited, infos = connector_view(kv)
+    wire = over_the_queue(infos)
     ctx = FakeServerContext(chunk_size)
     module = transfer.LMCacheDrivenTransferModule(ctx)
     wrappers = [_Wrapper(t) for t in edited.values()]

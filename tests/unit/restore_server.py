@@ -31,6 +31,8 @@ from hybrid_kv import (
     _NoopEventBackend,
     _Wrapper,
     build_hybrid_kv,
+    connector_view,
+    over_the_queue,
 )
 from vllm_engine import Engine, register_through_connector
 
@@ -316,10 +318,6 @@ def _register(
     ``pristine_client``, with the group infos a pristine 0.5.3 client sends; with
     ``engine``, through the real connector under that engine's settings); the group
     infos that crossed the message queue."""
-    import msgspec
-
-    from lmcache.integration.vllm.kv_cache_group_edits import apply_kv_cache_group_edits
-    from lmcache.integration.vllm.kv_cache_groups import create_engine_group_infos_from_vllm
     from lmcache.utils import EngineType
     from lmcache.v1.multiprocess.group_view import EngineGroupInfo
 
@@ -327,8 +325,7 @@ def _register(
     if engine is not None:
         edited, infos = register_through_connector(engine, MODEL, kv)
     else:
-        edited = apply_kv_cache_group_edits(kv.config, dict(kv.kv_caches), layout_hints=hints)
-        infos = create_engine_group_infos_from_vllm(kv.config, edited, layout_hints=hints)
+        edited, infos = connector_view(kv)
     if pristine_client:
         infos = [
             EngineGroupInfo(
@@ -339,7 +336,7 @@ def _register(
             )
             for i in infos
         ]
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(infos), type=list[EngineGroupInfo])
+    wire = over_the_queue(infos)
     wrappers = [_Wrapper(t) for t in edited.values()]
     module.register_kv_cache(instance, wrappers, MODEL, 1, EngineType.VLLM, hints, wire)
     for entry in module._cache_contexts.values():  # noqa: SLF001
