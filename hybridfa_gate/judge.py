@@ -16,7 +16,9 @@ engine without LMCache computes the same prompt. A case passes when
 (e) health: a further request completes in the restore engine.
 
 A turn-2 case (a chat's second turn) compares (a) and (b) with vLLM's own prefix cache (the
-cold engine ran turn 1, then turn 2), not with the store engine.
+cold engine ran turn 1, then turn 2), not with the store engine, and (c)'s promise is at most
+what that prefix cache served, cut to a chunk: a connector stores only the recurrent states
+vLLM keeps (vLLM 0.26 keeps turn 1's decode-time block boundaries, 0.29 does not).
 
 Where the right answer is a miss, a case is judged by the criteria that apply to its mode
 (``cases.Case.mode``):
@@ -153,13 +155,14 @@ def d_timings(restore: dict[str, Any]) -> tuple[list[float], list[float], list[s
 
 def judge_c(out: dict[str, Any], case: Case, mode: str = "restore") -> None:
     """(c): a miss for "refused" and "miss"; for "forged" fewer tokens than the promise;
-    otherwise the hit against ``Case.promisable_hit``, for turn 2 under MTP at most vLLM's own
-    prefix-cache hit cut to a chunk (decode steps of 1 + K tokens skip block boundaries)."""
+    otherwise the hit against ``Case.promisable_hit``, for turn 2 at most vLLM's own
+    prefix-cache hit cut to a chunk (under MTP, decode steps of 1 + K tokens skip block
+    boundaries; vLLM 0.29+ keeps no decode-time boundary state)."""
     promise, own = case.promisable_hit, out.get("reference_prefix_cache_hit")
-    if case.spec_tokens and case.turn == 2:
+    if case.turn == 2:
         promise = min(promise, own // case.chunk * case.chunk) if own else 0
         if not own:
-            out["errors"].append("vLLM's own prefix cache hit nothing: no bound for (c) under MTP")
+            out["errors"].append("vLLM's own prefix cache hit nothing on turn 2: no bound for (c)")
     out["required_hit"] = required_hit(out["prompt_tokens"], case.chunk, promise)
     hit = out["hit_tokens"]
     if mode in ("refused", "miss"):

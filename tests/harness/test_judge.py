@@ -273,6 +273,21 @@ def test_turn2_without_the_reference_turn_is_an_error() -> None:
     assert "the reference engine did not run turn 2" in ev["errors"] and not ev["pass"]
 
 
+def test_turn2_is_bounded_by_vllms_own_prefix_cache_hit() -> None:
+    # vLLM 0.29 keeps no state of turn 1's decode-time block boundaries: its own prefix
+    # cache serves turn 1's prompt blocks only, and so can a connector.
+    case, cold, store, restore = _turn2_engines([], [7])
+    own = case.prompt_tokens // 80 * 80
+    bound = own // case.chunk * case.chunk
+    assert bound < case.promisable_hit
+    cold["turn2"]["local_cached_tokens"] = own
+    restore["kv_hashes"] = cold["turn2"]["kv_hashes"]
+    for hit, c in ((bound, True), (bound - case.chunk, False)):
+        restore.update(external_cached_tokens=hit, num_cached_tokens=hit)
+        ev = evaluate_case(case, cold, store, restore)
+        assert ev["required_hit"] == bound and ev["c"] is c, ev
+
+
 def test_turn2_under_mtp_is_bounded_by_vllms_own_prefix_cache_hit() -> None:
     case, cold, store, restore = _turn2_engines([], [7])
     mtp = Case("olmo-r5", "NHD", 2, False, spec_tokens=1, turn=2)
