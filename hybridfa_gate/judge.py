@@ -6,7 +6,8 @@ engine without LMCache computes the same prompt. A case passes when
 
 (a) bytes: the KV bytes of every prompt block after the restore equal the storing engine's
     (FA: every block, by token slot; GDN: the align-mode checkpoints both engines hold, which
-    must include the restored one, block hit/N - 1);
+    must include the restored one, block hit/N - 1, hashed on the request's second step while
+    it still holds that state: ``worker.rpc_watch_hit_checkpoint``);
 (b) output: greedy tokens are equal and top-k logprobs within ``LOGPROB_TOL``;
 (c) hit: the connector's (external) hit is >= min(97 % of the prompt, the most a hybrid
     connector can promise: the chunks before the last prompt token, floor((P-1)/C)*C, under

@@ -66,6 +66,8 @@ def rpc_install_block_hook(self: Any) -> str:
             "the gate's block-table hook supports the V1 GPUModelRunner only"
         )
     mr._gate_blocks = {}
+    mr._gate_watch = {}  # prompt key -> tokens computed at the request's first step
+    mr._gate_hit_gdn = {}  # prompt key -> GDN hashes of that hit's checkpoint
     orig = mr._update_states
 
     def wrapped(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -73,11 +75,31 @@ def rpc_install_block_hook(self: Any) -> str:
         for st in mr.requests.values():
             toks = list(st.prompt_token_ids or [])
             key = f"{len(toks)}:" + ",".join(str(t) for t in toks[:16])
-            mr._gate_blocks[key] = [list(g) for g in st.block_ids]
+            blocks = mr._gate_blocks[key] = [list(g) for g in st.block_ids]
+            if key not in mr._gate_watch or key in mr._gate_hit_gdn:
+                continue
+            hit = mr._gate_watch[key]
+            if hit is None:
+                mr._gate_watch[key] = int(st.num_computed_tokens)
+            elif hit > 0:
+                groups = mr.kv_cache_config.kv_cache_groups
+                only = {hit // int(g.kv_cache_spec.block_size) - 1 for g in groups}
+                mr._gate_hit_gdn[key] = hash_blocks(mr, blocks, hit, only)["gdn"]
         return out
 
     mr._update_states = wrapped
     return type(mr).__name__
+
+
+def rpc_watch_hit_checkpoint(self: Any, key: str) -> None:
+    """Hash the recurrent checkpoint that the next request of prompt ``key`` starts from
+    (block hit/N - 1, restored or served by vLLM's prefix cache) on its second step, while it
+    still holds that state: from vLLM 0.29 the scheduler frees a Mamba "align" state block
+    once the request is past it and the worker's append-only block table keeps naming it, so
+    after the request it may hold another state. ``rpc_kv_hashes`` reports this hash."""
+    mr = runner(self)
+    mr._gate_watch[key] = None
+    mr._gate_hit_gdn.pop(key, None)
 
 
 def rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
@@ -91,7 +113,11 @@ def rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
     blocks = getattr(mr, "_gate_blocks", {}).get(key)
     if blocks is None:
         raise RuntimeError(f"no block table recorded for {key[:40]}...; hook not installed?")
-    return {"rank": rank_of(self), **hash_blocks(mr, blocks, prompt_tokens)}
+    res = hash_blocks(mr, blocks, prompt_tokens)
+    getattr(mr, "_gate_watch", {}).pop(key, None)
+    for layer, early in getattr(mr, "_gate_hit_gdn", {}).pop(key, {}).items():
+        res["gdn"].setdefault(layer, {}).update(early)
+    return {"rank": rank_of(self), **res}
 
 
 def rpc_block_hashes(self: Any, req_id: str, prompt_tokens: int, only: list[int]) -> dict:

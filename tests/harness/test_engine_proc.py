@@ -92,6 +92,43 @@ def test_kv_hashes_are_layout_independent_and_per_block() -> None:
     assert not res["match"] and res["fa_bad"] == 1
 
 
+def _watched_run(torch, first_step_tokens: int):
+    """A request of three full blocks and a partial one whose first step computed
+    ``first_step_tokens`` (its hit), watched over two steps; then vLLM reuses GDN block id 3
+    (position 1, the checkpoint of a two-block hit) for another state."""
+    n = 80
+    tokens = make_prompt(3 * n + 10, seed=4)
+    blocks = ([0, 3, 1, 2], [5, 3, 1, 2])
+    gdn = _gdn(torch, 8)
+    w = _fake_runner(torch, _fa_views(torch, 40, 16, 2, 8)[1], gdn, n, blocks, tokens)
+    mr = w.worker.model_runner
+    mr.requests["r0"].num_computed_tokens = first_step_tokens
+    worker.rpc_install_block_hook(w)
+    key = prompt_key(tokens)
+    worker.rpc_watch_hit_checkpoint(w, key)
+    mr._update_states(None)
+    mr._update_states(None)
+    before = worker.hash_blocks(mr, [list(b) for b in blocks], len(tokens))["gdn"]["gdn.0"]
+    gdn[1][3] += 1
+    return w, key, len(tokens), before
+
+
+def test_the_hit_checkpoint_is_hashed_while_the_request_holds_it() -> None:
+    torch = pytest.importorskip("torch")
+    w, key, p, before = _watched_run(torch, 2 * 80)
+    got = worker.rpc_kv_hashes(w, key, p)["gdn"]["gdn.0"]
+    assert got == before
+    # reported once: the next request of the prompt is hashed as its block table stands
+    assert worker.rpc_kv_hashes(w, key, p)["gdn"]["gdn.0"]["1"] != before["1"]
+
+
+def test_a_request_that_hit_nothing_is_hashed_after_it_ended() -> None:
+    torch = pytest.importorskip("torch")
+    w, key, p, before = _watched_run(torch, 0)
+    got = worker.rpc_kv_hashes(w, key, p)["gdn"]["gdn.0"]
+    assert got["1"] != before["1"] and got["2"] == before["2"]
+
+
 def test_init_weights_is_deterministic() -> None:
     torch = pytest.importorskip("torch")
     fps = []

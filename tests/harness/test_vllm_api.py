@@ -70,6 +70,7 @@ def test_the_v1_model_runner_has_what_the_worker_hooks_read() -> None:
     assert "static_forward_context" in src and "self.kv_cache_config" in src
     state = _source("vllm.v1.worker.gpu_input_batch")
     assert "block_ids: tuple[list[int], ...]" in state and "prompt_token_ids" in state
+    assert "num_computed_tokens: int" in state
 
 
 def test_hybrid_models_default_to_the_v1_model_runner_and_the_env_can_pin_it() -> None:
