@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_kv_alloc import over_the_queue
 
 NUM_KV_HEADS = 2
 HEAD_SIZE = 16
@@ -351,15 +352,6 @@ def connector_view(kv: HybridKV) -> tuple[dict[str, torch.Tensor], list[Any]]:
     hints = {"kv_layout": kv.layout}
     edited = apply_kv_cache_group_edits(kv.config, dict(kv.kv_caches), layout_hints=hints)
     return edited, create_engine_group_infos_from_vllm(kv.config, edited, layout_hints=hints)
-
-
-def over_the_queue(infos: list[Any]) -> list[Any]:
-    """``infos`` as the server receives them: a msgspec msgpack round trip."""
-    import msgspec
-
-    from lmcache.v1.multiprocess.group_view import EngineGroupInfo
-
-    return msgspec.msgpack.decode(msgspec.msgpack.encode(infos), type=list[EngineGroupInfo])
 
 
 def start_server(kv: HybridKV, chunk_size: int, monkeypatch: pytest.MonkeyPatch) -> Server:

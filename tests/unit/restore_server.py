@@ -32,9 +32,9 @@ from hybrid_kv import (
     _Wrapper,
     build_hybrid_kv,
     connector_view,
-    over_the_queue,
 )
 from vllm_engine import Engine, register_through_connector
+from vllm_kv_alloc import over_the_queue
 
 from hybridfa_gate import l2 as l2_tiers
 
