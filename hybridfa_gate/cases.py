@@ -69,6 +69,9 @@ class Case:
     lora: str = ""
     forged: bool = False  # one FA object of the hit rewritten after the store (``forge.py``)
     separate_groups: bool = False  # `lmcache server --separate-object-groups`
+    # lmcache.mp.save_decode_cache in every engine: lmcache 0.5.6 stores chunks completed
+    # during decode only then (0.5.3 always stores them and ignores the key).
+    save_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.lora not in LORA_MODES:
@@ -120,8 +123,9 @@ class Case:
         lora = f"-lora-{self.lora}" if self.lora else ""
         forged = "-forged" if self.forged else ""
         sog = "-sog" if self.separate_groups else ""
+        decode = "-savedecode" if self.save_decode else ""
         head = f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}"
-        return f"{head}{fa}{mbt}{mtp}{turn}{l2}{kv}{lora}{forged}{sog}{tp}"
+        return f"{head}{fa}{mbt}{mtp}{turn}{l2}{kv}{lora}{forged}{sog}{decode}{tp}"
 
     def mode(self, arm: str, base: str = DEFAULT_BASE, kernels: bool = True) -> str:
         """What a pass means for this case on ``arm`` of ``base`` (judge.py): "restore", the
@@ -319,9 +323,16 @@ def seed_matrix(tp: int = 1) -> list[Case]:
     ]
 
 
+def decode_matrix(tp: int = 1) -> list[Case]:
+    """Turn 2 under MTP with ``lmcache.mp.save_decode_cache`` on: vLLM 0.29+ keeps every
+    block's recurrent state under MTP (its dense default), lmcache 0.5.6 stores the chunks
+    completed during decode only with that setting."""
+    return [Case("qwen35-r5", "HND", 2, False, tp, spec_tokens=1, turn=2, save_decode=True)]
+
+
 # The selectors' case sets; every case a selector can name is in full or a later one.
 CASE_SETS = (quick_matrix, core_matrix, all_matrix, full_matrix, deploy_matrix, mtp_matrix)
-CASE_SETS += (turn2_matrix, l2_matrix, fp8_matrix, identity_matrix, seed_matrix)
+CASE_SETS += (turn2_matrix, l2_matrix, fp8_matrix, identity_matrix, seed_matrix, decode_matrix)
 SET_NAMES = tuple(f.__name__.removesuffix("_matrix") for f in CASE_SETS)
 
 

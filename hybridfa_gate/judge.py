@@ -19,7 +19,8 @@ engine without LMCache computes the same prompt. A case passes when
 A turn-2 case (a chat's second turn) compares (a) and (b) with vLLM's own prefix cache (the
 cold engine ran turn 1, then turn 2), not with the store engine, and (c)'s promise is at most
 what that prefix cache served, cut to a chunk: a connector stores only the recurrent states
-vLLM keeps (vLLM 0.26 keeps turn 1's decode-time block boundaries, 0.29 does not).
+vLLM keeps (vLLM 0.26-0.28 keep turn 1's decode-time block boundaries; 0.29 keeps them only
+under EAGLE/MTP, its dense default there, and otherwise the prompt's last boundary).
 
 Where the right answer is a miss, a case is judged by the criteria that apply to its mode
 (``cases.Case.mode``):
@@ -158,7 +159,7 @@ def judge_c(out: dict[str, Any], case: Case, mode: str = "restore") -> None:
     """(c): a miss for "refused" and "miss"; for "forged" fewer tokens than the promise;
     otherwise the hit against ``Case.promisable_hit``, for turn 2 at most vLLM's own
     prefix-cache hit cut to a chunk (under MTP, decode steps of 1 + K tokens skip block
-    boundaries; vLLM 0.29+ keeps no decode-time boundary state)."""
+    boundaries; vLLM 0.29+ keeps decode-time boundary states only under EAGLE/MTP)."""
     promise, own = case.promisable_hit, out.get("reference_prefix_cache_hit")
     if case.turn == 2:
         promise = min(promise, own // case.chunk * case.chunk) if own else 0

@@ -112,6 +112,8 @@ def engine_spec(
         spec["kv_cache_memory_bytes"] = rc.kv_cache_memory_bytes
     if case.spec_tokens:
         spec["speculative_config"] = {"method": "mtp", "num_speculative_tokens": case.spec_tokens}
+    if case.save_decode and "lmcache" in spec:
+        spec["lmcache"]["extra_config"]["lmcache.mp.save_decode_cache"] = True
     if case.lora:
         from hybridfa_gate.lora import RANK
 

@@ -68,6 +68,20 @@ def test_mtp_cases_ask_every_engine_for_speculative_decoding(tmp_path: Path, rc:
     assert "speculative_config" not in engine_spec(plain, "cold", tmp_path, rc, None, None)
 
 
+def test_a_save_decode_case_asks_each_connector_to_store_decode_time_chunks(
+    tmp_path: Path, rc: RunConfig
+) -> None:
+    (case,) = select_cases("decode")
+    assert case.case_id == "qwen35-r5-HND-c2N-offset-mtp1-turn2-savedecode"
+    for role in ("store", "restore"):
+        extra = engine_spec(case, role, tmp_path, rc, 1, None)["lmcache"]["extra_config"]
+        assert extra["lmcache.mp.save_decode_cache"] is True
+    assert "lmcache" not in engine_spec(case, "cold", tmp_path, rc, None, None)
+    plain = Case("qwen35-r5", "HND", 2, False, spec_tokens=1, turn=2)
+    extra = engine_spec(plain, "store", tmp_path, rc, 1, None)["lmcache"]["extra_config"]
+    assert "lmcache.mp.save_decode_cache" not in extra
+
+
 def test_turn2_restores_the_prompt_plus_answer_plus_question(tmp_path: Path, rc: RunConfig) -> None:
     case = Case("olmo-r5", "NHD", 2, False, turn=2)
     answer = list(range(100, 100 + case.answer_tokens))
