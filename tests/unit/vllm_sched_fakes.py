@@ -57,8 +57,12 @@ NULL_BLOCK_ID = 0  # vLLM's BlockPool.null_block
 init_none_hash(sha256)
 
 
-def make_kv_cache_config(num_spec_blocks: int | None, num_blocks: int = 64) -> KVCacheConfig:
-    """Mamba(align) + FA groups; ``num_spec_blocks=None`` gives a FA-only model."""
+def make_kv_cache_config(
+    num_spec_blocks: int | None, num_blocks: int = 64, retention_interval: int | None = None
+) -> KVCacheConfig:
+    """Mamba(align) + FA groups; ``num_spec_blocks=None`` gives a FA-only model.
+    ``retention_interval``: vLLM 0.29+'s prefix_cache_retention_interval (None: every
+    block's state, 0: the prompt's last boundary only)."""
     fa = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float16)
     groups = [KVCacheGroupSpec(["model.layers.1.self_attn.attn"], fa)]
     if num_spec_blocks is not None:
@@ -71,7 +75,10 @@ def make_kv_cache_config(num_spec_blocks: int | None, num_blocks: int = 64) -> K
             num_speculative_blocks=num_spec_blocks,
         )
         groups.insert(0, KVCacheGroupSpec(["model.layers.0.linear_attn"], mamba))
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    if retention_interval is not None:
+        config.prefix_cache_retention_interval = retention_interval
+    return config
 
 
 def this_build_layout_format() -> int:
@@ -228,6 +235,8 @@ class SchedDriver:
         self.connector = connector
         self.requests: dict[str, Request] = {}
         self.running: set[str] = set()
+        # This step's boundary-state offers {req_id: [(group, block id, boundary)]}.
+        self.offers: dict[str, list[tuple[int, int, int]]] = {}
         # Pristine append semantics: the ids vLLM reported, concatenated.
         self.reported: dict[str, list[list[int]]] = {}
 
@@ -319,6 +328,13 @@ class SchedDriver:
             num_scheduled_tokens=scheduled,
             preempted_req_ids=set(),
         )
+        take_offers = getattr(self.manager, "take_boundary_state_offloads", None)
+        if take_offers is not None:  # vLLM >= 0.29: Scheduler.schedule's hand-off
+            self.offers = take_offers()
+            output.kv_connector_block_state = SimpleNamespace(
+                block_ids={r: self.manager.get_block_ids(r) for r in scheduled},
+                boundary_state_offloads=self.offers,
+            )
         metadata = self.connector.build_connector_meta(output)
         result = StepResult(metadata=metadata)
         for req_meta in metadata.requests:
