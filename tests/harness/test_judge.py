@@ -274,8 +274,8 @@ def test_turn2_without_the_reference_turn_is_an_error() -> None:
 
 
 def test_turn2_is_bounded_by_vllms_own_prefix_cache_hit() -> None:
-    # vLLM 0.29 keeps no state of turn 1's decode-time block boundaries: its own prefix
-    # cache serves turn 1's prompt blocks only, and so can a connector.
+    # vLLM 0.29 without MTP keeps no state of turn 1's decode-time block boundaries: its own
+    # prefix cache serves turn 1's prompt blocks only, and so can a connector.
     case, cold, store, restore = _turn2_engines([], [7])
     own = case.prompt_tokens // 80 * 80
     bound = own // case.chunk * case.chunk
