@@ -166,22 +166,47 @@ def start_server(
     l1_size_gb: float = 4,
     extra_args: Sequence[str] = (),
 ) -> subprocess.Popen[Any]:
+    """Start an LMCache server and wait until it serves `port`. Its HTTP port is picked free
+    just before the start; a concurrent case may bind it first, and the server then shuts down
+    after it announced itself: such a start is tried again with another HTTP port."""
     adapter = l2_tiers.adapter_json("fs", l2) if isinstance(l2, Path) else l2
-    cmd = [py, "-c", SERVER_BOOT, "server", *server_args(port, chunk, adapter, l1_size_gb)]
-    cmd += [*extra_args, *extra_server_args()]
-    with open(log, "w") as fh:
-        proc = spawn(cmd, fh, env, cwd=log.parent)
+    for attempt in (1, 2, 3):
+        cmd = [py, "-c", SERVER_BOOT, "server", *server_args(port, chunk, adapter, l1_size_gb)]
+        cmd += [*extra_args, *extra_server_args()]
+        with open(log, "w") as fh:
+            proc = spawn(cmd, fh, env, cwd=log.parent)
+        try:
+            return _wait_ready(proc, port, log, timeout)
+        except ServerError:
+            if attempt == 3 or not lost_http_port(log):
+                raise
+            log.rename(log.with_suffix(f".port-race{attempt}.log"))
+    raise AssertionError("unreachable")
+
+
+def _wait_ready(
+    proc: subprocess.Popen[Any], port: int, log: Path, timeout: float
+) -> subprocess.Popen[Any]:
     ready = re.compile(r"running|started|listening|ready", re.I)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc.poll() is not None or lost_http_port(log):
+            kill_group(proc)
             raise ServerError(f"LMCache server exited rc={proc.returncode}:\n{tail(log)}")
         if port_open(port) and ready.search(log.read_text(errors="replace")):
             time.sleep(1.0)
-            return proc
+            if proc.poll() is None and not lost_http_port(log):
+                return proc
+            continue
         time.sleep(0.5)
     kill_group(proc)
     raise ServerError(f"LMCache server not ready after {timeout:.0f}s:\n{tail(log)}")
+
+
+def lost_http_port(log: Path) -> bool:
+    """A server whose HTTP port was bound by another process between our pick and its bind."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "error while attempting to bind" in text and "address already in use" in text
 
 
 def lost_port_race(log: Path) -> bool:

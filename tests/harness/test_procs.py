@@ -198,3 +198,42 @@ def test_server_log_facts_count_each_refusal_of_the_patched_server() -> None:
         ]
     )
     assert procs.server_log_facts(log)["refusals"] == 2
+
+
+# A stand-in for `python -c SERVER_BOOT server ...`: it serves --port and announces itself; on
+# its first start its HTTP port is taken, as when a concurrent case binds it first.
+FAKE_SERVER = """#!{python}
+import socket, sys, time
+from pathlib import Path
+args = sys.argv[sys.argv.index("server") + 1:]
+port = int(args[args.index("--port") + 1])
+starts = Path({starts!r})
+starts.write_text(starts.read_text() + args[args.index("--http-port") + 1] + "\\n")
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", port)); s.listen()
+print("LMCache cache server is running...", flush=True)
+if len(starts.read_text().split()) == 1:
+    print("ERROR:    [Errno 98] error while attempting to bind on address "
+          "('127.0.0.1', 1): address already in use", flush=True)
+    time.sleep(2)
+    sys.exit(0)
+time.sleep(60)
+"""
+
+
+def test_a_server_that_lost_its_http_port_starts_again(tmp_path: Path) -> None:
+    starts = tmp_path / "starts"
+    starts.write_text("")
+    py = tmp_path / "python"
+    py.write_text(FAKE_SERVER.format(python=sys.executable, starts=str(starts)))
+    py.chmod(0o755)
+    port, log = procs.free_port(), tmp_path / "server1.log"
+    proc = procs.start_server(str(py), dict(os.environ), port, 80, tmp_path / "l2", log)
+    try:
+        assert proc.poll() is None and procs.port_open(port)
+        http_ports = starts.read_text().split()
+        assert len(http_ports) == 2 and http_ports[0] != http_ports[1]
+        assert (tmp_path / "server1.port-race1.log").exists()
+    finally:
+        procs.kill_group(proc)
