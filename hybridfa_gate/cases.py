@@ -325,8 +325,8 @@ def seed_matrix(tp: int = 1) -> list[Case]:
 
 def decode_matrix(tp: int = 1) -> list[Case]:
     """Turn 2 under MTP with ``lmcache.mp.save_decode_cache`` on: vLLM 0.29+ keeps every
-    block's recurrent state under MTP (its dense default), lmcache 0.5.6 stores the chunks
-    completed during decode only with that setting."""
+    block's recurrent state under MTP (its dense default); pristine lmcache 0.5.6 stores the
+    chunks completed during decode only with that setting, by its own positional rule."""
     return [Case("qwen35-r5", "HND", 2, False, tp, spec_tokens=1, turn=2, save_decode=True)]
 
 
