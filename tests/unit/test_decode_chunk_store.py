@@ -17,9 +17,15 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-from vllm_sched_fakes import BLOCK, NULL_BLOCK_ID, SchedDriver, make_connector, make_kv_cache_config  # noqa: E402,E501
-
-MAMBA_GROUP, FA_GROUP = 0, 1
+from vllm_sched_fakes import (  # noqa: E402
+    BLOCK,
+    FA_GROUP,
+    MAMBA_GROUP,
+    NULL_BLOCK_ID,
+    SchedDriver,
+    make_connector,
+    make_kv_cache_config,
+)
 
 
 def _decode(driver: SchedDriver, req_id: str, prompt_len: int, total: int) -> list:

@@ -26,17 +26,18 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-from test_mtp_gap_chunk_056 import _vllm_split  # noqa: E402
 from vllm_sched_fakes import (  # noqa: E402
     BLOCK,
+    FA_GROUP,
+    MAMBA_GROUP,
     NULL_BLOCK_ID,
     SchedDriver,
     make_connector,
     make_kv_cache_config,
+    prefill_split,
 )
 
 pytestmark = pytest.mark.bases("0.5.6")
-MAMBA_GROUP, FA_GROUP = 0, 1
 CHUNK = 2 * BLOCK
 PROMPT = 10 * BLOCK + 7  # its last whole chunk ends at 10N (chunk 4)
 
@@ -70,7 +71,7 @@ def _turn(
 
     step_no = 0
     while req.num_computed_tokens < PROMPT:
-        step(step_no, _vllm_split(req, 2 * BLOCK - 1, mtp=True))
+        step(step_no, prefill_split(req, 2 * BLOCK - 1, mtp=True))
         step_no += 1
     for token in range(20_000, 20_060):
         req.append_output_token_ids(token)

@@ -31,40 +31,20 @@ pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
 from test_layout_fingerprint_056 import MODEL, Server  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm_kv_alloc import build_registration, connector_view  # noqa: E402
 from vllm_sched_fakes import (  # noqa: E402
     BLOCK,
+    FA_GROUP,
+    MAMBA_GROUP,
     NULL_BLOCK_ID,
     SchedDriver,
     make_connector,
     make_kv_cache_config,
+    prefill_split,
 )
 
 pytestmark = pytest.mark.bases("0.5.6")
-MAMBA_GROUP, FA_GROUP = 0, 1
 CHUNK = 2 * BLOCK
-
-
-def _vllm_split(req: Any, budget: int, mtp: bool) -> int:
-    """How many prompt tokens vLLM's scheduler runs next (its own function); the
-    namespace holds what the rule reads of its Scheduler in vLLM 0.29-0.34."""
-    sched = SimpleNamespace(
-        block_size=BLOCK,
-        cache_config=SimpleNamespace(block_size=BLOCK),
-        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
-        max_num_scheduled_tokens=budget,
-        use_eagle=mtp,  # 0.29
-        use_eagle_block_drop=mtp,  # 0.31+: MTP is an eagle method
-        num_hash_lookahead_tokens=0,
-        hash_block_size=BLOCK,
-        mamba_partial_cache_hit=False,
-        mamba_has_prefill_checkpoint_blocks=False,
-        mamba_prefill_checkpoint_alignment=None,
-        mamba_shared_prefix_checkpoint=False,
-    )
-    n = min(budget, req.num_tokens - req.num_computed_tokens)
-    return Scheduler._mamba_block_aligned_split(sched, req, n)
 
 
 def _chat_turn_one(
@@ -81,7 +61,7 @@ def _chat_turn_one(
     req = driver.add_request("r", list(range(1, 1 + prompt)))
     ops = []
     while req.num_computed_tokens < prompt:
-        n = _vllm_split(req, 2 * BLOCK - 1, mtp=spec_blocks > 0)
+        n = prefill_split(req, 2 * BLOCK - 1, mtp=spec_blocks > 0)
         ops += driver.step({"r": n}).stores
     for token in range(20_000, 20_040):
         req.append_output_token_ids(token)
@@ -96,8 +76,8 @@ def _chunks(ops: list) -> list[int]:
 def test_vllm_runs_the_prompts_last_full_block_without_a_state_under_mtp() -> None:
     req = SimpleNamespace(num_computed_tokens=9 * BLOCK, num_prompt_tokens=10 * BLOCK + 7)
     req.num_tokens, req.shared_prefix_boundary = req.num_prompt_tokens, 0
-    assert _vllm_split(req, 2 * BLOCK - 1, mtp=False) == BLOCK  # stops at 10N
-    assert _vllm_split(req, 2 * BLOCK - 1, mtp=True) == BLOCK + 7  # runs past it
+    assert prefill_split(req, 2 * BLOCK - 1, mtp=False) == BLOCK  # stops at 10N
+    assert prefill_split(req, 2 * BLOCK - 1, mtp=True) == BLOCK + 7  # runs past it
 
 
 @pytest.mark.feature

@@ -53,8 +53,30 @@ RESUMED_AS_NEW = "resumed_req_ids" not in {f.name for f in fields(CachedRequestD
 
 BLOCK = 16  # tokens per block (FA and Mamba share it in align mode)
 NULL_BLOCK_ID = 0  # vLLM's BlockPool.null_block
+MAMBA_GROUP, FA_GROUP = 0, 1  # a hybrid make_kv_cache_config's groups, Mamba first
 
 init_none_hash(sha256)
+
+
+def prefill_split(req: Any, budget: int, mtp: bool) -> int:
+    """How many prompt tokens vLLM's scheduler runs next (its own function); the namespace
+    holds what the rule reads of its Scheduler in vLLM 0.26-0.34."""
+    sched = SimpleNamespace(
+        block_size=BLOCK,
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+        max_num_scheduled_tokens=budget,
+        use_eagle=mtp,  # 0.26-0.29
+        use_eagle_block_drop=mtp,  # 0.31+: MTP is an eagle method
+        num_hash_lookahead_tokens=0,
+        hash_block_size=BLOCK,
+        mamba_partial_cache_hit=False,
+        mamba_has_prefill_checkpoint_blocks=False,
+        mamba_prefill_checkpoint_alignment=None,
+        mamba_shared_prefix_checkpoint=False,
+    )
+    n = min(budget, req.num_tokens - req.num_computed_tokens)
+    return Scheduler._mamba_block_aligned_split(sched, req, n)
 
 
 def make_kv_cache_config(
