@@ -69,8 +69,8 @@ class Case:
     lora: str = ""
     forged: bool = False  # one FA object of the hit rewritten after the store (``forge.py``)
     separate_groups: bool = False  # `lmcache server --separate-object-groups`
-    # lmcache.mp.save_decode_cache in every engine: lmcache 0.5.6 stores chunks completed
-    # during decode only then (0.5.3 always stores them and ignores the key).
+    # lmcache.mp.save_decode_cache in every engine: pristine lmcache 0.5.6 stores chunks
+    # completed during decode only then (0.5.3 always stores them and ignores the key).
     save_decode: bool = False
 
     def __post_init__(self) -> None:
