@@ -13,7 +13,8 @@ engine without LMCache computes the same prompt. A case passes when
     connector can promise: the chunks before the last prompt token, floor((P-1)/C)*C, under
     MTP a block less; ``cases.Case.promisable_hit``);
 (d) speed: restore TTFT < cold prefill TTFT, medians of ``specs.D_REPEATS`` each, timed in
-    turn in the restore engine (other stored, resp. unstored, prompts of the same length);
+    turn in the restore engine (other stored, resp. unstored, prompts of the same length)
+    while no other case on the machine times its own (``engine_proc.timing_turn``);
 (e) health: a further request completes in the restore engine.
 
 A turn-2 case (a chat's second turn) compares (a) and (b) with vLLM's own prefix cache (the

@@ -243,3 +243,31 @@ def test_an_e5m2_cache_under_flashinfer_keeps_a_bf16_query() -> None:
 
 def test_a_spec_without_adapters_has_no_lora_requests() -> None:
     assert engine_proc.lora_requests(_spec()) == {}
+
+
+def test_timed_requests_of_two_cases_take_turns(tmp_path) -> None:
+    import threading
+
+    lock, first, second = tmp_path / "timing.lock", [], []
+    inside, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with engine_proc.timing_turn(lock, first):
+            inside.set()
+            release.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(5)
+    threading.Timer(0.3, release.set).start()
+    with engine_proc.timing_turn(lock, second):
+        assert release.is_set()  # the other case's timed requests had ended
+    holder.join()
+    assert first[0]["held"] and second[0]["held"] and second[0]["waited_s"] >= 0.25
+
+
+def test_a_turn_not_given_within_its_wait_times_anyway(tmp_path) -> None:
+    lock, record = tmp_path / "timing.lock", []
+    with engine_proc.timing_turn(lock, []), engine_proc.timing_turn(lock, record, wait_s=0.1):
+        pass
+    assert record[0]["held"] is False and record[0]["waited_s"] >= 0.1
