@@ -4,6 +4,7 @@ model runners and engines."""
 from __future__ import annotations
 
 import sys
+import threading
 
 import pytest
 
@@ -246,8 +247,6 @@ def test_a_spec_without_adapters_has_no_lora_requests() -> None:
 
 
 def test_timed_requests_of_two_cases_take_turns(tmp_path) -> None:
-    import threading
-
     lock, first, second = tmp_path / "timing.lock", [], []
     inside, release = threading.Event(), threading.Event()
 
