@@ -32,7 +32,7 @@ from hybridfa_gate.worker import (
     rpc_init_weights,
     rpc_install_block_hook,
     rpc_kv_hashes,
-    rpc_watch_hit_checkpoint,
+    rpc_watch_checkpoints,
 )
 
 
@@ -367,7 +367,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     steps: list[dict[str, float]] = []
     timed_lookups = spec["role"] == "restore" and _time_lookups(llm, lookups)
     if spec.get("kv_hashes", True):
-        llm.collective_rpc(rpc_watch_hit_checkpoint, args=(spec["prompt_key"],))
+        llm.collective_rpc(rpc_watch_checkpoints, args=(spec["prompt_key"],))
     lock = TIMING_LOCK if spec["role"] == "restore" else None
     turns: list[dict[str, Any]] = []
     lora = loras.get(spec.get("prompt_lora") or "")
@@ -406,7 +406,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     if spec.get("turn2_question"):
         # vLLM's own prefix cache serves turn 1's prompt and answer to turn 2.
         p2 = [*spec["prompt"], *result["tokens"], *spec["turn2_question"]]
-        llm.collective_rpc(rpc_watch_hit_checkpoint, args=(prompt_key(p2),))
+        llm.collective_rpc(rpc_watch_checkpoints, args=(prompt_key(p2),))
         out2, timed2 = _generate_timed(llm, p2, _sampling(spec["turn2_new_tokens"], spec["top_k"]))
         result["turn2"] = {"prompt_tokens": len(p2), **timed2, **_output(out2)}
         args = (prompt_key(p2), len(p2))

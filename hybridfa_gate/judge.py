@@ -5,9 +5,9 @@ on the same L2 tier and restores the prompt in a fresh engine (the restore engin
 engine without LMCache computes the same prompt. A case passes when
 
 (a) bytes: the KV bytes of every prompt block after the restore equal the storing engine's
-    (FA: every block, by token slot; GDN: the align-mode checkpoints both engines hold, which
-    must include the restored one, block hit/N - 1, hashed on the request's second step while
-    it still holds that state: ``worker.rpc_watch_hit_checkpoint``);
+    (FA: every block, by token slot; GDN: the align-mode checkpoints both engines hold, each
+    as it stood on the step after it was complete, which must include the restored one,
+    block hit/N - 1, kept on the request's second step: ``worker.rpc_watch_checkpoints``);
 (b) output: greedy tokens are equal and top-k logprobs within ``LOGPROB_TOL``;
 (c) hit: the connector's (external) hit is >= min(97 % of the prompt, the most a hybrid
     connector can promise: the chunks before the last prompt token, floor((P-1)/C)*C, under

@@ -67,7 +67,7 @@ def rpc_install_block_hook(self: Any) -> str:
         )
     mr._gate_blocks = {}
     mr._gate_watch = {}  # prompt key -> tokens computed at the request's first step
-    mr._gate_hit_gdn = {}  # prompt key -> GDN hashes of that hit's checkpoint
+    mr._gate_gdn = {}  # prompt key -> {layer: {block: copy of its GDN checkpoint}}
     orig = mr._update_states
 
     def wrapped(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -76,30 +76,52 @@ def rpc_install_block_hook(self: Any) -> str:
             toks = list(st.prompt_token_ids or [])
             key = f"{len(toks)}:" + ",".join(str(t) for t in toks[:16])
             blocks = mr._gate_blocks[key] = [list(g) for g in st.block_ids]
-            if key not in mr._gate_watch or key in mr._gate_hit_gdn:
+            if key not in mr._gate_watch:
                 continue
-            hit = mr._gate_watch[key]
-            if hit is None:
-                mr._gate_watch[key] = int(st.num_computed_tokens)
-            elif hit > 0:
-                groups = mr.kv_cache_config.kv_cache_groups
-                only = {hit // int(g.kv_cache_spec.block_size) - 1 for g in groups}
-                mr._gate_hit_gdn[key] = hash_blocks(mr, blocks, hit, only)["gdn"]
+            computed = int(st.num_computed_tokens)
+            if mr._gate_watch[key] is None:
+                mr._gate_watch[key] = computed  # its hit block is kept for the next step
+            else:
+                copy_checkpoints(mr, blocks, min(computed, len(toks)), mr._gate_gdn[key])
         return out
 
     mr._update_states = wrapped
     return type(mr).__name__
 
 
-def rpc_watch_hit_checkpoint(self: Any, key: str) -> None:
-    """Hash the recurrent checkpoint that the next request of prompt ``key`` starts from
-    (block hit/N - 1, restored or served by vLLM's prefix cache) on its second step, while it
-    still holds that state: from vLLM 0.29 the scheduler frees a Mamba "align" state block
-    once the request is past it and the worker's append-only block table keeps naming it, so
-    after the request it may hold another state. ``rpc_kv_hashes`` reports this hash."""
+def rpc_watch_checkpoints(self: Any, key: str) -> None:
+    """Keep each GDN checkpoint of the next request of prompt ``key`` as it stood on the first
+    step after it was complete, the restored (or prefix-cached) one, block hit/N - 1, on the
+    request's second step: from vLLM 0.29 the scheduler frees a Mamba "align" state block
+    once the request is two blocks past it and reuses it at once (LIFO) for a later block of
+    this or another request, while the worker's append-only block table keeps naming it, so
+    after the request that slot may hold another state. ``rpc_kv_hashes`` reports these."""
     mr = runner(self)
     mr._gate_watch[key] = None
-    mr._gate_hit_gdn.pop(key, None)
+    mr._gate_gdn[key] = {}
+
+
+def copy_checkpoints(
+    mr: Any, blocks: list[list[int]], tokens: int, kept: dict[str, dict[str, Any]]
+) -> None:
+    """Copy into ``kept`` the GDN checkpoints complete at ``tokens`` that it lacks."""
+    import torch
+
+    ctx = mr.compilation_config.static_forward_context
+    new = []
+    for gi, group in enumerate(mr.kv_cache_config.kv_cache_groups):
+        ids = blocks[gi] if gi < len(blocks) else []
+        n = int(group.kv_cache_spec.block_size)
+        for layer in group.layer_names:
+            kv = ctx[layer].kv_cache
+            if isinstance(kv, (list, tuple)):
+                have = kept.setdefault(layer, {})
+                end = min(tokens // n, len(ids))
+                new += [(kv, have, j, ids[j]) for j in range(end) if ids[j] and str(j) not in have]
+    if new and torch.cuda.is_available():
+        torch.cuda.synchronize()  # the step that completed them has run
+    for kv, have, j, b in new:
+        have[str(j)] = [s[b].clone() for s in kv]
 
 
 def rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
@@ -108,15 +130,16 @@ def rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
     FA (FlashInfer's (B_kernel, H, page, 2*hs), NHD or HND in memory): logical block L is
     kernel pages L*r .. L*r+r-1, its token slots hashed in token order up to the prompt's end.
     GDN ([conv_state, ssm_state] by block id): full prompt blocks j < P//N only, whose slot
-    holds the align-mode checkpoint after (j+1)*N tokens. Null blocks (id 0) are skipped."""
+    holds the align-mode checkpoint after (j+1)*N tokens, or for a watched request the copy
+    ``rpc_watch_checkpoints`` kept. Null blocks (id 0) are skipped."""
     mr = runner(self)
     blocks = getattr(mr, "_gate_blocks", {}).get(key)
     if blocks is None:
         raise RuntimeError(f"no block table recorded for {key[:40]}...; hook not installed?")
     res = hash_blocks(mr, blocks, prompt_tokens)
     getattr(mr, "_gate_watch", {}).pop(key, None)
-    for layer, early in getattr(mr, "_gate_hit_gdn", {}).pop(key, {}).items():
-        res["gdn"].setdefault(layer, {}).update(early)
+    for layer, kept in getattr(mr, "_gate_gdn", {}).pop(key, {}).items():
+        res["gdn"].setdefault(layer, {}).update({j: digest(s) for j, s in kept.items()})
     return {"rank": rank_of(self), **res}
 
 
@@ -132,20 +155,25 @@ def rpc_block_hashes(self: Any, req_id: str, prompt_tokens: int, only: list[int]
     return {"rank": rank_of(self), **res}
 
 
+def digest(parts: list[Any]) -> str:
+    """blake2b of the tensors' bytes, in order."""
+    import hashlib
+
+    import torch
+
+    data = torch.cat([t.contiguous().flatten().view(torch.uint8) for t in parts])
+    return hashlib.blake2b(data.cpu().numpy().tobytes(), digest_size=16).hexdigest()
+
+
 def hash_blocks(
     mr: Any, blocks: list[list[int]], prompt_tokens: int, only: set[int] | None = None
 ) -> dict[str, Any]:
     """``rpc_kv_hashes`` over a block table (an id list per KV cache group)."""
-    import hashlib
 
     import torch
 
     ctx = mr.compilation_config.static_forward_context
     res: dict[str, Any] = {"fa": {}, "gdn": {}, "block_ids": blocks}
-
-    def digest(t: torch.Tensor) -> str:
-        data = t.contiguous().flatten().view(torch.uint8).cpu().numpy().tobytes()
-        return hashlib.blake2b(data, digest_size=16).hexdigest()
 
     with torch.no_grad():
         if torch.cuda.is_available():
@@ -160,10 +188,7 @@ def hash_blocks(
                 js = [j for j in range(min(nblocks, len(ids))) if only is None or j in only]
                 wanted = [(j, ids[j]) for j in js if ids[j] != 0]  # 0: the null block
                 if gdn:
-                    res["gdn"][layer] = {
-                        str(j): digest(torch.cat([s[b].flatten().view(torch.uint8) for s in kv]))
-                        for j, b in wanted
-                    }
+                    res["gdn"][layer] = {str(j): digest([s[b] for s in kv]) for j, b in wanted}
                     continue
                 if kv.dim() != 4:
                     raise RuntimeError(f"{layer}: unexpected FA cache rank {kv.dim()}")
@@ -177,6 +202,6 @@ def hash_blocks(
                 for j, b in wanted:
                     pages = kv[b * r : (b + 1) * r]  # (r, H, page, 2hs)
                     tok = pages.permute(0, 2, 1, 3).reshape(r * page, kv.shape[1], kv.shape[3])
-                    fa[str(j)] = digest(tok[: min(n, prompt_tokens - j * n)])
+                    fa[str(j)] = digest([tok[: min(n, prompt_tokens - j * n)]])
                 res["fa"][layer] = fa
     return res

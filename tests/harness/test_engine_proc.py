@@ -106,7 +106,7 @@ def _watched_run(torch, first_step_tokens: int):
     mr.requests["r0"].num_computed_tokens = first_step_tokens
     worker.rpc_install_block_hook(w)
     key = prompt_key(tokens)
-    worker.rpc_watch_hit_checkpoint(w, key)
+    worker.rpc_watch_checkpoints(w, key)
     mr._update_states(None)
     mr._update_states(None)
     before = worker.hash_blocks(mr, [list(b) for b in blocks], len(tokens))["gdn"]["gdn.0"]
@@ -128,6 +128,37 @@ def test_a_request_that_hit_nothing_is_hashed_after_it_ended() -> None:
     w, key, p, before = _watched_run(torch, 0)
     got = worker.rpc_kv_hashes(w, key, p)["gdn"]["gdn.0"]
     assert got["1"] != before["1"] and got["2"] == before["2"]
+
+
+def test_each_checkpoint_is_kept_as_it_stood_on_the_step_after_it_was_complete() -> None:
+    """A storing request (no hit): vLLM 0.29 hands a finished checkpoint's block out again
+    while the request runs, so the block table read after the request names other states."""
+    torch = pytest.importorskip("torch")
+    n = 80
+    tokens = make_prompt(3 * n + 10, seed=4)
+    blocks = ([4, 3, 1, 2], [5, 3, 1, 2])
+    gdn = _gdn(torch, 8)
+    w = _fake_runner(torch, _fa_views(torch, 40, 16, 2, 8)[1], gdn, n, blocks, tokens)
+    mr = w.worker.model_runner
+    worker.rpc_install_block_hook(w)
+    key = prompt_key(tokens)
+    worker.rpc_watch_checkpoints(w, key)
+
+    def step(computed: int) -> dict[str, str]:
+        mr.requests["r0"].num_computed_tokens = computed
+        mr._update_states(None)
+        return worker.hash_blocks(mr, [list(b) for b in blocks], len(tokens))["gdn"]["gdn.0"]
+
+    step(0)
+    at_n = step(n)
+    gdn[0][4] += 1  # block 0's slot, reused
+    step(2 * n)
+    at_3n = step(3 * n)
+    gdn[1][3] += 1
+    gdn[0][1] += 1
+    got = worker.rpc_kv_hashes(w, key, len(tokens))["gdn"]["gdn.0"]
+    assert got == {"0": at_n["0"], "1": at_3n["1"], "2": at_3n["2"]}
+    assert at_n["0"] != at_3n["0"]
 
 
 def test_init_weights_is_deterministic() -> None:
