@@ -118,10 +118,14 @@ def copy_checkpoints(
                 have = kept.setdefault(layer, {})
                 end = min(tokens // n, len(ids))
                 new += [(kv, have, j, ids[j]) for j in range(end) if ids[j] and str(j) not in have]
-    if new and torch.cuda.is_available():
+    if not new:
+        return
+    if torch.cuda.is_available():
         torch.cuda.synchronize()  # the step that completed them has run
     for kv, have, j, b in new:
         have[str(j)] = [s[b].clone() for s in kv]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # copied before any later step, on whatever stream, runs
 
 
 def rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
