@@ -173,7 +173,6 @@ def hash_blocks(
     mr: Any, blocks: list[list[int]], prompt_tokens: int, only: set[int] | None = None
 ) -> dict[str, Any]:
     """``rpc_kv_hashes`` over a block table (an id list per KV cache group)."""
-
     import torch
 
     ctx = mr.compilation_config.static_forward_context
