@@ -93,20 +93,26 @@ def test_kv_hashes_are_layout_independent_and_per_block() -> None:
     assert not res["match"] and res["fa_bad"] == 1
 
 
-def _watched_run(torch, first_step_tokens: int):
-    """A request of three full blocks and a partial one whose first step computed
-    ``first_step_tokens`` (its hit), watched over two steps; then vLLM reuses GDN block id 3
-    (position 1, the checkpoint of a two-block hit) for another state."""
-    n = 80
-    tokens = make_prompt(3 * n + 10, seed=4)
-    blocks = ([0, 3, 1, 2], [5, 3, 1, 2])
+def _watched(torch, blocks):
+    """A watched request of three full blocks of 80 tokens and a partial one: (fake worker,
+    its GDN state tensors, prompt tokens, prompt key)."""
+    tokens = make_prompt(3 * 80 + 10, seed=4)
     gdn = _gdn(torch, 8)
-    w = _fake_runner(torch, _fa_views(torch, 40, 16, 2, 8)[1], gdn, n, blocks, tokens)
-    mr = w.worker.model_runner
-    mr.requests["r0"].num_computed_tokens = first_step_tokens
+    w = _fake_runner(torch, _fa_views(torch, 40, 16, 2, 8)[1], gdn, 80, blocks, tokens)
     worker.rpc_install_block_hook(w)
     key = prompt_key(tokens)
     worker.rpc_watch_checkpoints(w, key)
+    return w, gdn, tokens, key
+
+
+def _watched_run(torch, first_step_tokens: int):
+    """A request whose first step computed ``first_step_tokens`` (its hit), watched over two
+    steps; then vLLM reuses GDN block id 3 (position 1, the checkpoint of a two-block hit)
+    for another state."""
+    blocks = ([0, 3, 1, 2], [5, 3, 1, 2])
+    w, gdn, tokens, key = _watched(torch, blocks)
+    mr = w.worker.model_runner
+    mr.requests["r0"].num_computed_tokens = first_step_tokens
     mr._update_states(None)
     mr._update_states(None)
     before = worker.hash_blocks(mr, [list(b) for b in blocks], len(tokens))["gdn"]["gdn.0"]
@@ -135,14 +141,9 @@ def test_each_checkpoint_is_kept_as_it_stood_on_the_step_after_it_was_complete()
     while the request runs, so the block table read after the request names other states."""
     torch = pytest.importorskip("torch")
     n = 80
-    tokens = make_prompt(3 * n + 10, seed=4)
     blocks = ([4, 3, 1, 2], [5, 3, 1, 2])
-    gdn = _gdn(torch, 8)
-    w = _fake_runner(torch, _fa_views(torch, 40, 16, 2, 8)[1], gdn, n, blocks, tokens)
+    w, gdn, tokens, key = _watched(torch, blocks)
     mr = w.worker.model_runner
-    worker.rpc_install_block_hook(w)
-    key = prompt_key(tokens)
-    worker.rpc_watch_checkpoints(w, key)
 
     def step(computed: int) -> dict[str, str]:
         mr.requests["r0"].num_computed_tokens = computed
