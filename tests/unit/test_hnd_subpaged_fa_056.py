@@ -28,7 +28,7 @@ from vllm_kv_alloc import (  # noqa: E402
 
 pytestmark = pytest.mark.bases("0.5.6")
 
-GEOMETRIES = [(80, 16), (544, 32)]  # (N, FlashInfer page): ratios 5, 17
+GEOMETRIES = [(80, 16), (544, 32), (1600, 64)]  # (N, FlashInfer page): ratios 5, 17, 25
 MAX_THREADS_PER_BLOCK = 1024  # CUDA limit, also the limit of blockDim.y
 
 
