@@ -5,6 +5,7 @@ through vLLM's V1 ``GPUModelRunner`` attributes (``requests``, ``_update_states`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -101,23 +102,29 @@ def rpc_watch_checkpoints(self: Any, key: str) -> None:
     mr._gate_gdn[key] = {}
 
 
+def kv_layers(mr: Any, blocks: list[list[int]]) -> Iterator[tuple[str, Any, list[int], int]]:
+    """(layer, its KV cache, the request's block ids of its group, the group's block size)
+    for every layer of every KV cache group; ``blocks``: an id list per group."""
+    ctx = mr.compilation_config.static_forward_context
+    for gi, group in enumerate(mr.kv_cache_config.kv_cache_groups):
+        ids = blocks[gi] if gi < len(blocks) else []
+        n = int(group.kv_cache_spec.block_size)
+        for layer in group.layer_names:
+            yield layer, ctx[layer].kv_cache, ids, n
+
+
 def copy_checkpoints(
     mr: Any, blocks: list[list[int]], tokens: int, kept: dict[str, dict[str, Any]]
 ) -> None:
     """Copy into ``kept`` the GDN checkpoints complete at ``tokens`` that it lacks."""
     import torch
 
-    ctx = mr.compilation_config.static_forward_context
     new = []
-    for gi, group in enumerate(mr.kv_cache_config.kv_cache_groups):
-        ids = blocks[gi] if gi < len(blocks) else []
-        n = int(group.kv_cache_spec.block_size)
-        for layer in group.layer_names:
-            kv = ctx[layer].kv_cache
-            if isinstance(kv, (list, tuple)):
-                have = kept.setdefault(layer, {})
-                end = min(tokens // n, len(ids))
-                new += [(kv, have, j, ids[j]) for j in range(end) if ids[j] and str(j) not in have]
+    for layer, kv, ids, n in kv_layers(mr, blocks):
+        if isinstance(kv, (list, tuple)):
+            have = kept.setdefault(layer, {})
+            end = min(tokens // n, len(ids))
+            new += [(kv, have, j, ids[j]) for j in range(end) if ids[j] and str(j) not in have]
     if not new:
         return
     if torch.cuda.is_available():
@@ -175,36 +182,32 @@ def hash_blocks(
     """``rpc_kv_hashes`` over a block table (an id list per KV cache group)."""
     import torch
 
-    ctx = mr.compilation_config.static_forward_context
     res: dict[str, Any] = {"fa": {}, "gdn": {}, "block_ids": blocks}
 
     with torch.no_grad():
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        for gi, group in enumerate(mr.kv_cache_config.kv_cache_groups):
-            ids = blocks[gi] if gi < len(blocks) else []
-            n = res["block_size"] = int(group.kv_cache_spec.block_size)
-            for layer in group.layer_names:
-                kv = ctx[layer].kv_cache
-                gdn = isinstance(kv, (list, tuple))  # GDN / Mamba state list
-                nblocks = prompt_tokens // n if gdn else -(-prompt_tokens // n)
-                js = [j for j in range(min(nblocks, len(ids))) if only is None or j in only]
-                wanted = [(j, ids[j]) for j in js if ids[j] != 0]  # 0: the null block
-                if gdn:
-                    res["gdn"][layer] = {str(j): digest([s[b] for s in kv]) for j, b in wanted}
-                    continue
-                if kv.dim() != 4:
-                    raise RuntimeError(f"{layer}: unexpected FA cache rank {kv.dim()}")
-                page = res["kernel_page"] = int(kv.shape[2])
-                r = n // page
-                # Memory order of the logical (B, H, page, 2hs) view; with one kv head per rank
-                # the strides cannot tell, so report nothing.
-                if kv.shape[1] > 1:
-                    res["layout"] = "NHD" if kv.stride(2) > kv.stride(1) else "HND"
-                fa: dict[str, str] = {}
-                for j, b in wanted:
-                    pages = kv[b * r : (b + 1) * r]  # (r, H, page, 2hs)
-                    tok = pages.permute(0, 2, 1, 3).reshape(r * page, kv.shape[1], kv.shape[3])
-                    fa[str(j)] = digest([tok[: min(n, prompt_tokens - j * n)]])
-                res["fa"][layer] = fa
+        for layer, kv, ids, n in kv_layers(mr, blocks):
+            res["block_size"] = n
+            gdn = isinstance(kv, (list, tuple))  # GDN / Mamba state list
+            nblocks = prompt_tokens // n if gdn else -(-prompt_tokens // n)
+            js = [j for j in range(min(nblocks, len(ids))) if only is None or j in only]
+            wanted = [(j, ids[j]) for j in js if ids[j] != 0]  # 0: the null block
+            if gdn:
+                res["gdn"][layer] = {str(j): digest([s[b] for s in kv]) for j, b in wanted}
+                continue
+            if kv.dim() != 4:
+                raise RuntimeError(f"{layer}: unexpected FA cache rank {kv.dim()}")
+            page = res["kernel_page"] = int(kv.shape[2])
+            r = n // page
+            # Memory order of the logical (B, H, page, 2hs) view; with one kv head per rank
+            # the strides cannot tell, so report nothing.
+            if kv.shape[1] > 1:
+                res["layout"] = "NHD" if kv.stride(2) > kv.stride(1) else "HND"
+            fa: dict[str, str] = {}
+            for j, b in wanted:
+                pages = kv[b * r : (b + 1) * r]  # (r, H, page, 2hs)
+                tok = pages.permute(0, 2, 1, 3).reshape(r * page, kv.shape[1], kv.shape[3])
+                fa[str(j)] = digest([tok[: min(n, prompt_tokens - j * n)]])
+            res["fa"][layer] = fa
     return res
