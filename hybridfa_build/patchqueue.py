@@ -24,6 +24,9 @@ _GIT_ENV = {
     "GIT_AUTHOR_DATE": "2026-08-05T21:14:00Z",
     "GIT_COMMITTER_DATE": "2026-08-05T21:14:00Z",
 }
+# ``git am`` takes each patch's author from its header; only the committer comes from here,
+# so a queue can be made where git knows no identity.
+_COMMITTER_ENV = {k: v for k, v in _GIT_ENV.items() if k.startswith("GIT_COMMITTER_")}
 
 
 def _git(queue: Path, *args: str, env: dict[str, str] | None = None) -> str:
@@ -55,7 +58,7 @@ def make_queue(queue: Path, tag: str | None = None, base_name: str = factory.DEF
     _git(queue, "commit", "-q", "-m", f"pristine {base.name}", env=_GIT_ENV)
     _git(queue, "tag", PRISTINE_TAG)
     for patch in factory.read_series(base_def.patches_dir):
-        _git(queue, "am", "-q", "--keep-non-patch", str(patch))
+        _git(queue, "am", "-q", "--keep-non-patch", str(patch), env=_COMMITTER_ENV)
     return queue
 
 
