@@ -1,7 +1,8 @@
 """Wheel factory: a pinned pristine lmcache wheel + its patch series -> patched wheel.
 
-Fetch (pip, cached), verify sha256 against the base's pins, unpack, apply the whole series
-or nothing, add the marker module, repack with a fresh RECORD and a PEP 440 local version.
+Fetch (pip, cached), verify sha256 against the base's pins, unpack, add the whole new modules
+every base shares (sources/), apply the whole series or nothing, add the marker module, repack
+with a fresh RECORD and a PEP 440 local version.
 Output is reproducible: fixed timestamps, sorted entries, fixed compression.
 
 Two bases: lmcache 0.5.3 (the default: pins.json, patches/, ``REVISION`` of this package)
@@ -15,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PINS_FILE = ROOT / "pins.json"
 PATCHES_DIR = ROOT / "patches"
 BASES_DIR = ROOT / "bases"
+SOURCES_DIR = ROOT / "sources"
 DEFAULT_BASE = "0.5.3"
 MARKER_SOURCE = Path(__file__).resolve().parent / "marker.py"
 MARKER_PATH = "lmcache/_hybridfa.py"
@@ -133,9 +136,19 @@ def read_series(patches_dir: Path = PATCHES_DIR) -> list[Path]:
     return patches
 
 
-def series_digest(patches_dir: Path = PATCHES_DIR) -> str:
-    """sha256 over the series file and every patch it lists, in order."""
-    digest = hashlib.sha256((patches_dir / "series").read_bytes())
+def shared_sources(sources_dir: Path = SOURCES_DIR) -> list[str]:
+    """The modules every base gets whole from ``sources_dir``, as paths in the tree."""
+    files = (p for p in sources_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    return sorted(p.relative_to(sources_dir).as_posix() for p in files)
+
+
+def series_digest(patches_dir: Path = PATCHES_DIR, sources_dir: Path = SOURCES_DIR) -> str:
+    """sha256 over the shared sources (path and bytes), the series file and every patch it
+    lists, in order."""
+    digest = hashlib.sha256()
+    for name in shared_sources(sources_dir):
+        digest.update(name.encode() + b"\0" + (sources_dir / name).read_bytes() + b"\0")
+    digest.update((patches_dir / "series").read_bytes())
     for patch in read_series(patches_dir):
         digest.update(patch.name.encode() + b"\0" + patch.read_bytes())
     return digest.hexdigest()
@@ -265,8 +278,36 @@ def fetch_sdist(pins: Pins, local: Path | None = None) -> Path:
     return cached
 
 
+def add_sources(tree: Path, sources_dir: Path = SOURCES_DIR) -> None:
+    """Copy the shared modules into ``tree``; each must be new to the pristine base."""
+    for name in shared_sources(sources_dir):
+        target = tree / name
+        if target.exists():
+            raise BuildError(f"{name} is in pristine lmcache; sources/ carries new modules only")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(sources_dir / name, target)
+
+
+def patched_paths(patch: Path) -> set[str]:
+    """The files a patch changes, as paths in the tree."""
+    found = re.findall(r"^diff --git a/(\S+) b/", patch.read_text(errors="replace"), re.M)
+    return set(found)
+
+
+def check_no_shared_changes(patches: list[Path], sources_dir: Path = SOURCES_DIR) -> None:
+    shared = set(shared_sources(sources_dir))
+    for patch in patches:
+        touched = sorted(patched_paths(patch) & shared)
+        if touched:
+            raise BuildError(
+                f"patch {patch.name} changes {', '.join(touched)}, which sources/ carries "
+                "whole for every base: change it there"
+            )
+
+
 def apply_series(tree: Path, patches: list[Path]) -> None:
     """Apply every patch to ``tree`` in order; raise on the first that does not apply."""
+    check_no_shared_changes(patches)
     if shutil.which("git") is None:
         raise BuildError("git is needed to apply the patch series and was not found")
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
@@ -431,6 +472,7 @@ def build_wheel(
         tree = Path(tmp) / "tree"
         with zipfile.ZipFile(base) as zf:
             zf.extractall(tree)
+        add_sources(tree)
         apply_series(tree, patches)
         if spec is not None:
             kernels.build(spec, fetch_sdist(pins), tree, against)

@@ -1,8 +1,10 @@
 """A gbp-pq style patch queue: pristine tree as one commit, one commit per patch.
 
-``make_queue`` builds it from the verified pristine wheel and ``git am``s the series;
-edit, commit (one logical change per commit, DEP-3 fields in the message body), then
-``export_queue`` regenerates patches/ and patches/series with ``git format-patch``.
+``make_queue`` builds it from the verified pristine wheel, commits the shared modules of
+sources/ on top (tag ``sources``) and ``git am``s the series; edit, commit (one logical
+change per commit, DEP-3 fields in the message body), then ``export_queue`` regenerates
+patches/ and patches/series with ``git format-patch``. The shared modules are changed in
+sources/ itself, never in a queue: a patch that changes one is refused on export.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import zipfile
 from pathlib import Path
 
 from hybridfa_build import factory
 
 PRISTINE_TAG = "pristine"
+SOURCES_TAG = "sources"
 _GIT_ENV = {
     "GIT_AUTHOR_NAME": "hybridfa",
     "GIT_AUTHOR_EMAIL": "hybridfa@localhost",
@@ -57,8 +61,16 @@ def make_queue(queue: Path, tag: str | None = None, base_name: str = factory.DEF
     _git(queue, "add", "-A")
     _git(queue, "commit", "-q", "-m", f"pristine {base.name}", env=_GIT_ENV)
     _git(queue, "tag", PRISTINE_TAG)
-    for patch in factory.read_series(base_def.patches_dir):
-        _git(queue, "am", "-q", "--keep-non-patch", str(patch), env=_COMMITTER_ENV)
+    factory.add_sources(queue)
+    _git(queue, "add", "-A")
+    _git(queue, "commit", "-q", "--allow-empty", "-m", "sources: the shared modules", env=_GIT_ENV)
+    _git(queue, "tag", SOURCES_TAG)
+    try:
+        for patch in factory.read_series(base_def.patches_dir):
+            _git(queue, "am", "-q", "--keep-non-patch", str(patch), env=_COMMITTER_ENV)
+    except factory.BuildError:
+        shutil.rmtree(queue)  # no half-made queue to export by mistake
+        raise
     return queue
 
 
@@ -82,20 +94,22 @@ def export_queue(
             f"export it with --base {version}"
         )
     patches_dir = patches_dir or base_def.patches_dir
-    out = _git(
-        queue,
-        "format-patch",
-        "--zero-commit",
-        "--no-signature",
-        "--full-index",
-        "-o",
-        str(patches_dir),
-        f"{PRISTINE_TAG}..HEAD",
-    )
-    written = [Path(line) for line in out.split()]
-    keep = {p.name for p in written}
-    for old in patches_dir.glob("*.patch"):
-        if old.name not in keep:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = _git(
+            queue,
+            "format-patch",
+            "--zero-commit",
+            "--no-signature",
+            "--full-index",
+            "-o",
+            tmp,
+            f"{SOURCES_TAG}..HEAD",
+        )
+        made = [Path(line) for line in out.split()]
+        factory.check_no_shared_changes(made)
+        patches_dir.mkdir(parents=True, exist_ok=True)
+        for old in patches_dir.glob("*.patch"):
             old.unlink()
+        written = [Path(shutil.copy2(p, patches_dir / p.name)) for p in made]
     (patches_dir / "series").write_text("".join(f"{p.name}\n" for p in written))
     return written

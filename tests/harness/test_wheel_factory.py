@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from factory_cli import ROOT, TAG, factory
 
+from hybridfa_build import factory as wheel_factory
+
 PINS = json.loads((ROOT / "pins.json").read_text())
 
 
@@ -65,7 +67,8 @@ def test_wheel_differs_from_pristine_only_in_patched_files_dist_info_and_marker(
         else:
             assert ours[name] == data, f"{name} differs from pristine but no patch touches it"
     extra = set(ours) - set(base) - {n for n in ours if n.startswith(our_info)}
-    assert extra == {"lmcache/_hybridfa.py"} | (patched - set(base))
+    shared = set(wheel_factory.shared_sources())
+    assert extra == {"lmcache/_hybridfa.py"} | (patched - set(base)) | shared
     for name in ("WHEEL", "entry_points.txt", "top_level.txt", "licenses/LICENSE"):
         assert ours[our_info + name] == base[base_info + name]
     meta, base_meta = ours[our_info + "METADATA"].decode(), base[base_info + "METADATA"].decode()

@@ -29,12 +29,13 @@ N, PAGE, CHUNKS, NUM_BLOCKS = 80, 16, 3, 32
 def _on_cuda(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> Recorder:
     """Registrations get a cache context on a CUDA device; ``compiled``: with the compiled
     kernels bound (as where lmcache.c_ops loads). The transfer module's errors are kept."""
-    import lmcache.c_ops as lmc_ops
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as transfer
+    from lmcache.v1.platform import resolve_device_ops, torch_device_type
 
     report_cuda_device(monkeypatch, transfer)
     if compiled:
-        monkeypatch.setattr(lmc_ops, "execute_object_group_transfer", print, raising=False)
+        ops = resolve_device_ops(torch_device_type)
+        monkeypatch.setattr(ops, "execute_object_group_transfer", print, raising=False)
     recorder = Recorder()
     monkeypatch.setattr(transfer, "logger", recorder)
     return recorder
