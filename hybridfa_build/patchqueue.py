@@ -101,6 +101,7 @@ def export_queue(
             "--zero-commit",
             "--no-signature",
             "--full-index",
+            "--no-numbered",
             "-o",
             tmp,
             f"{SOURCES_TAG}..HEAD",

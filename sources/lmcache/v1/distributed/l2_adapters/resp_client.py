@@ -45,7 +45,7 @@ Completion = tuple[int, bool, str, "list[bool] | None"]
 
 _MAX_LINE = 1 << 20
 _RECV_LINE = 4096
-_MAX_LOGGED = 4096  # keys whose rejection was logged, remembered to log each once
+_MAX_REJECTED = 4096  # rejected keys remembered, to log each once and not store it back
 
 
 class RespError(Exception):
@@ -199,7 +199,9 @@ class RespClient:
             raise ValueError("num_workers must be > 0")
         self._tag_key = tag_key
         self._tls = tls
-        self._logged: set[str] = set()
+        # Keys whose value failed its check, each with the tag its rejected bytes
+        # would carry (None: a value of another size). Guarded by _lock.
+        self._rejected: dict[str, bytes | None] = {}
         self._host = host
         self._port = port
         self._num_workers = num_workers
@@ -400,26 +402,31 @@ class RespClient:
         size = int(line[1:])
         if size != len(buf) + TAG_LEN:
             conn.skip(size + 2)
-            self._reject(key, len(buf), f"{size} bytes, not {len(buf)} and a tag")
+            self._reject(key, len(buf), f"{size} bytes, not {len(buf)} and a tag", None)
             return False
         conn.read_into(buf)
         tail = conn.read_exact(TAG_LEN + 2)
         if tail[TAG_LEN:] != b"\r\n":
             raise ProtocolError("GET: no CRLF after the value")
-        if not hmac.compare_digest(tail[:TAG_LEN], object_tag(self._tag_key, key, buf)):
-            self._reject(key, len(buf), "tag mismatch: forged, or written under another secret")
+        expected = object_tag(self._tag_key, key, buf)
+        if not hmac.compare_digest(tail[:TAG_LEN], expected):
+            why = "tag mismatch: forged, or written under another secret"
+            self._reject(key, len(buf), why, expected)
             return False
         return True
 
-    def _reject(self, key: str, size: int, why: str) -> None:
+    def _reject(self, key: str, size: int, why: str, tag: bytes | None) -> None:
         """A value that failed its check is a miss; the next store of its key
-        replaces it."""
+        replaces it with other bytes: *tag* is the one the rejected bytes would
+        carry, which no store of this client may write."""
         with self._lock:
-            if key in self._logged:
+            known = key in self._rejected
+            if not known and len(self._rejected) >= _MAX_REJECTED:
+                self._rejected.clear()
+            if tag is not None or not known:
+                self._rejected[key] = tag
+            if known:
                 return
-            if len(self._logged) >= _MAX_LOGGED:
-                self._logged.clear()
-            self._logged.add(key)
         logger.warning(
             "RESP L2 adapter: %s is not an authentic %d-byte object (%s); it is a miss. "
             "Servers that share this Redis need the same L2 tier secret.",
@@ -430,6 +437,15 @@ class RespClient:
 
     def _set(self, conn: _Conn, key: str, buf: memoryview) -> bool:
         tag = object_tag(self._tag_key, key, buf)
+        with self._lock:
+            rejected = self._rejected.get(key)
+        if rejected is not None and hmac.compare_digest(rejected, tag):
+            logger.error(
+                "RESP L2 adapter: not storing %s: its bytes are the ones this server "
+                "rejected on load",
+                key,
+            )
+            return False
         conn.send(
             b"*3\r\n$3\r\nSET\r\n" + _bulk(key.encode()) + b"$%d\r\n" % (len(buf) + TAG_LEN),
             buf,
@@ -439,7 +455,7 @@ class RespClient:
         if reply != "OK":
             raise ProtocolError(f"SET answered {reply!r}")
         with self._lock:
-            self._logged.discard(key)
+            self._rejected.pop(key, None)
         return True
 
     def _exists(self, conn: _Conn, key: str, _buf: None) -> bool:
