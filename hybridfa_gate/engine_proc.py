@@ -2,10 +2,11 @@
 
 SPEC (``specs.engine_spec`` and friends) names the role: cold, store or restore (the restart
 gate), fault-store (``fault.py``: a store that also runs the health request and does not wait
-for L2) or load (``load.py``: many requests through LLMEngine, see ``load.load_loop``). OUT gets
+for L2) or load (``load.py``: many requests through LLMEngine, see ``load_loop.py``). OUT gets
 the result, with "ok" and, on failure, the traceback in "error". The parent sets
 VLLM_KV_CACHE_LAYOUT, VLLM_ENABLE_V1_MULTIPROCESSING=0 and PYTHONPATH (lmcache under test
-first). The worker-side helpers are in ``worker.py``.
+first). The worker-side helpers are in ``worker.py``. This process imports only the gate
+modules it runs (tests/harness/test_engine_imports.py pins them).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hybridfa_gate import load
 from hybridfa_gate.forge import snapshot
-from hybridfa_gate.procs import wait_l2_stable
+from hybridfa_gate.l2 import wait_l2_stable
+from hybridfa_gate.load_loop import load_loop
 from hybridfa_gate.prompts import prompt_key
 from hybridfa_gate.worker import (
     rpc_block_hashes,
@@ -40,7 +41,7 @@ def _wait_l2(
     tier: str, min_objects: int, timeout: float = 90.0, server_log: str | None = None
 ) -> dict[str, Any]:
     """Stores are asynchronous: keep this process (and its GPU KV, which the server reads
-    through CUDA IPC) alive until the chunks reached the L2 tier (``procs.wait_l2_stable``)."""
+    through CUDA IPC) alive until the chunks reached the L2 tier (``l2.wait_l2_stable``)."""
     t0 = time.monotonic()
     log = Path(server_log) if server_log else None
     res = wait_l2_stable(tier, min_objects, timeout=timeout, server_log=log)
@@ -450,7 +451,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
 
 
 def run_load(spec: dict[str, Any], result: dict[str, Any]) -> Any:
-    """Role load: ``load.load_loop`` for ``load_s`` seconds from when the engine is ready,
+    """Role load: ``load_loop.load_loop`` for ``load_s`` seconds from when the engine is ready,
     then ``drain_s`` at most; one JSON line per finished request goes to records_path."""
     from vllm.inputs import TokensPrompt
 
@@ -478,7 +479,7 @@ def run_load(spec: dict[str, Any], result: dict[str, Any]) -> Any:
             fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
             fh.flush()
 
-        result["load"] = load.load_loop(submit, engine.step, hash_rpc, tap.stats, spec, emit)
+        result["load"] = load_loop(submit, engine.step, hash_rpc, tap.stats, spec, emit)
     print(f"[gate] load {result['load']}")
     if spec.get("l2"):
         # Keep the KV (read by the server through CUDA IPC) alive until the stores landed.

@@ -56,7 +56,8 @@ from dataclasses import asdict
 from typing import Any
 
 from hybridfa_gate.cases import DEFAULT_BASE, Case, select_cases
-from hybridfa_gate.procs import REFUSAL, STORE_FAILED
+from hybridfa_gate.l2 import STORE_FAILED
+from hybridfa_gate.procs import REFUSAL
 from hybridfa_gate.prompts import median, required_hit
 
 LOGPROB_TOL = 1e-3

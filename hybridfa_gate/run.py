@@ -27,6 +27,7 @@ from hybridfa_gate import lora
 from hybridfa_gate.cases import DEFAULT_BASE, Case
 from hybridfa_gate.forge import forge
 from hybridfa_gate.judge import add_errors, evaluate_case, run_errors
+from hybridfa_gate.l2 import wait_l2_stable
 from hybridfa_gate.models import expected_chunk_bytes, write_model_dir
 from hybridfa_gate.procs import (
     ServerError,
@@ -37,7 +38,6 @@ from hybridfa_gate.procs import (
     run_engine,
     server_log_facts,
     start_server,
-    wait_l2_stable,
 )
 from hybridfa_gate.report import write_report
 from hybridfa_gate.specs import RunConfig, cold_key, engine_spec, restore_spec, store_spec
