@@ -47,6 +47,12 @@ DEFAULT_BASE = "0.5.3"
 REFUSING_BASES = ("0.5.3", "0.5.6")
 
 
+def release(version: object) -> tuple[int, ...] | None:
+    """(0, 5, 6) of "0.5.6+hybridfa.1", (0, 29, 0) of "0.29.0"; None when unreadable."""
+    parts = str(version or "").split("+")[0].split(".")[:3]
+    return tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else None
+
+
 @dataclass(frozen=True)
 class Case:
     model: str  # key of MODELS

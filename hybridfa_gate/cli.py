@@ -37,6 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "compiles its kernels for many engines at once)",
     )
     ap.add_argument("--jobs", type=int, default=1, help="cases run at once, each its own engines")
+    ap.add_argument(
+        "--expect-refusals",
+        action="store_true",
+        help="the engines' lmcache is a patched build whose compiled copy kernels do not load: "
+        "judge each case as the server's refusal (without this such a run is an error)",
+    )
     ap.add_argument("--list", action="store_true", help="print the selected cases and exit")
     a = ap.parse_args(argv)
     try:
@@ -62,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine_timeout=a.engine_timeout,
             keep_l2=a.keep_l2,
             work=a.work,
+            expect_refusals=a.expect_refusals,
         )
     except ValueError as e:
         ap.error(str(e))

@@ -280,10 +280,12 @@ def lora_requests(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> Any:
+    import vllm
     from vllm import LLM
 
     llm = LLM(**llm_kwargs(spec))
     vc = llm.llm_engine.vllm_config
+    result["vllm"] = vllm.__version__
     result["engine_up_s"] = round(time.monotonic() - t_start, 2)
     result["cache_block_size"] = vc.cache_config.block_size
     result["mamba_page_size_padded"] = vc.cache_config.mamba_page_size_padded

@@ -15,7 +15,8 @@ engine without LMCache computes the same prompt. A case passes when
 (d) speed: restore TTFT < cold prefill TTFT, medians of ``specs.D_REPEATS`` each, timed in
     turn in the restore engine (other stored, resp. unstored, prompts of the same length)
     while no other case on the machine times its own (``engine_proc.timing_turn``);
-(e) health: a further request completes in the restore engine.
+(e) health: a further request completes in the restore engine, with the tokens the cold engine
+    gives it.
 
 A turn-2 case (a chat's second turn) compares (a) and (b) with vLLM's own prefix cache (the
 cold engine ran turn 1, then turn 2), not with the store engine, and (c)'s promise is at most
@@ -39,8 +40,10 @@ prompt to (a)-(c): "other" (only A was stored) B restores nothing and (b) compar
 cold engine's B; "each" (both were stored) B restores its own KV, (a)-(c) against the store
 engine's B.
 
-Any error (an engine that failed, a geometry other than expected, weights that differ across
-restarts, failed stores, an L2 tier that did not settle) fails the case.
+Any error (an engine that failed, a geometry other than expected, a KV layout other than the
+case's, weights that differ across restarts, a store engine whose tokens differ from the cold
+engine's where both run the same settings, failed stores, an L2 tier that did not settle)
+fails the case.
 
 The pristine and control arms pass when every case completes and shows the bug
 (``pristine_shows_the_bug``): it fails (a) by comparison (a case that restored nothing never
@@ -55,7 +58,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from hybridfa_gate.cases import DEFAULT_BASE, Case, select_cases
+from hybridfa_gate.cases import DEFAULT_BASE, Case, release, select_cases
 from hybridfa_gate.l2 import STORE_FAILED
 from hybridfa_gate.procs import REFUSAL
 from hybridfa_gate.prompts import median, required_hit
@@ -226,6 +229,28 @@ def judge_lora_b(
 
 # The KV cache layout vLLM 0.29+ resolves for VLLM_KV_CACHE_LAYOUT=NHD or HND.
 RESOLVED_LAYOUTS = {"NHD": "LBNHC", "HND": "LBHNC"}
+RESOLVED_LAYOUT_SINCE = (0, 29)  # CacheConfig.kv_cache_layout
+
+
+def layout_errors(case: Case, engines: dict[str, dict[str, Any]]) -> list[str]:
+    """Each engine's KV layout must be the case's, as the engine shows it: the memory order of
+    its FA cache (``worker.hash_blocks``; required where a rank holds more than one kv head,
+    which the order needs to tell) and, from vLLM 0.29, the layout vLLM resolved
+    (``CacheConfig.kv_cache_layout``; required where the engine's vLLM has it)."""
+    errors = []
+    tells = case.spec.num_kv_heads // case.tp > 1
+    want = RESOLVED_LAYOUTS[case.layout]
+    for role, r in engines.items():
+        seen = r.get("observed_layout")
+        if seen != case.layout and (seen is not None or tells):
+            errors.append(f"{role}: its FA cache is laid out {seen}, not {case.layout}")
+        resolved = r.get("kv_cache_layout")
+        has_field = (release(r.get("vllm")) or ()) >= RESOLVED_LAYOUT_SINCE
+        if resolved != want and (resolved is not None or has_field):
+            errors.append(
+                f"{role}: vLLM resolved the KV layout {resolved}, not {want} ({case.layout})"
+            )
+    return errors
 
 
 def evaluate_case(
@@ -259,13 +284,7 @@ def evaluate_case(
     fps = {r.get("weights_fingerprint") for r in engines}
     if len(fps) != 1 or None in fps:
         out["errors"].append(f"weights differ across restarts: {sorted(map(str, fps))}")
-    if any(r.get("observed_layout") not in (case.layout, None) for r in engines):
-        out["errors"].append("observed KV layout differs from the case's layout")
-    # vLLM 0.29+ resolves one layout per engine (CacheConfig.kv_cache_layout), NHD/HND
-    # being its names for LBNHC/LBHNC; older vLLMs report none.
-    resolved = {r.get("kv_cache_layout") for r in engines} - {None}
-    if resolved - {RESOLVED_LAYOUTS[case.layout]}:
-        out["errors"].append(f"vLLM resolved the KV layout {sorted(resolved)}, not {case.layout}")
+    out["errors"] += layout_errors(case, {"cold": cold, "store": store, "restore": restore})
 
     # The reference for (a) and (b): the storing engine's own prompt; for turn 2, vLLM's
     # own prefix cache (the cold engine ran turn 1, then turn 2); after a dtype change, the
@@ -308,15 +327,19 @@ def evaluate_case(
         tokens_match=reference.get("tokens") == restore["tokens"],
         logprobs_match=lp_ok,
         logprob_max_diff=lp_diff,
-        cold_tokens_match_store=cold["tokens"] == store["tokens"],
         health_ok=bool(health.get("ok")),
         health_matches_cold=health.get("tokens") == cold.get("health", {}).get("tokens"),
     )
+    # The cold and store engines compute the same prompt, save a dtype change's.
+    if mode == "miss":
+        out["info"] = {"cold_tokens_match_store": cold["tokens"] == store["tokens"]}
+    elif cold["tokens"] != store["tokens"]:
+        out["errors"].append("the store engine's tokens differ from the cold engine's")
     if case.lora:
         out["lora_b"] = second = judge_lora_b(case, cold, store, restore, mode == "refused")
         out["errors"] += second.pop("errors")
     judge_c(out, case, mode)
-    out["e"] = out["health_ok"]
+    out["e"] = out["health_ok"] and out["health_matches_cold"]
     out["b"] = out["tokens_match"] and lp_ok and out.get("lora_b", {}).get("b", True)
     if mode in ("refused", "miss"):
         out.update(a=None, d=None)

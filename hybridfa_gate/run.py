@@ -24,7 +24,7 @@ from typing import Any
 
 from hybridfa_gate import l2 as l2_tiers
 from hybridfa_gate import lora
-from hybridfa_gate.cases import DEFAULT_BASE, Case
+from hybridfa_gate.cases import DEFAULT_BASE, REFUSING_BASES, Case, release
 from hybridfa_gate.forge import forge
 from hybridfa_gate.judge import add_errors, evaluate_case, run_errors
 from hybridfa_gate.l2 import wait_l2_stable
@@ -248,17 +248,11 @@ def collect_environment(py: str, lmcache_dir: Path | None) -> dict[str, Any]:
     return {"versions": versions, "hardware": {"gpus": gpus}, "server_args": extra_server_args()}
 
 
-def _release(version: Any) -> tuple[int, ...] | None:
-    """(0, 5, 6) of "0.5.6+hybridfa.1", (0, 29, 0) of "0.29.0"; None when unreadable."""
-    parts = str(version or "").split("+")[0].split(".")[:3]
-    return tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else None
-
-
 def lmcache_base(versions: dict[str, Any]) -> str:
     """The lmcache release the engines' build is based on ("0.5.3", "0.5.6"), from its
     distribution version; the default base where none is reported."""
-    release = _release(versions.get("lmcache_dist") or versions.get("lmcache"))
-    return ".".join(map(str, release)) if release else DEFAULT_BASE
+    found = release(versions.get("lmcache_dist") or versions.get("lmcache"))
+    return ".".join(map(str, found)) if found else DEFAULT_BASE
 
 
 def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | None:
@@ -276,11 +270,32 @@ def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | 
         return f"lmcache at {path} is based on {base}; the gate knows {', '.join(SERVED_VLLM)}"
     if arm == "control" and base != DEFAULT_BASE:
         return f"--arm control is pristine {DEFAULT_BASE} with patches; {path} is {base}"
-    vllm = _release(versions.get("vllm"))
+    vllm = release(versions.get("vllm"))
     first, last = SERVED_VLLM[base]
     if vllm is not None and not first <= vllm[:2] <= last:
         served = f"{'.'.join(map(str, first))}-{'.'.join(map(str, last))}"
         return f"lmcache {base} serves vLLM {served}, the engines import vLLM {versions['vllm']}"
+    return None
+
+
+def kernels_problem(
+    arm: str, base: str, versions: dict[str, Any], expect_refusals: bool
+) -> str | None:
+    """A patched server whose compiled copy kernels do not load refuses every layout, so no
+    case would restore: the run must say it expects that (``expect_refusals``), and a run that
+    says so must have such a server."""
+    if arm != "patched" or base not in REFUSING_BASES:
+        return None
+    kernels = versions.get("lmcache_compiled_kernels") is not False
+    if not kernels and not expect_refusals:
+        return (
+            f"LMCache's compiled copy kernels do not load with the engines' torch "
+            f"{versions.get('torch')}: the patched server would refuse every case and restore "
+            "nothing. Build the wheel with --kernels against this torch, or pass "
+            "--expect-refusals (HYBRIDFA_GATE_EXPECT_REFUSALS=1) to judge the refusals"
+        )
+    if kernels and expect_refusals:
+        return "--expect-refusals, but LMCache's compiled copy kernels load: nothing is refused"
     return None
 
 
@@ -316,6 +331,11 @@ def run_matrix(
         return report
     rc.base = report["base"] = lmcache_base(report["versions"])
     rc.kernels = report["versions"].get("lmcache_compiled_kernels") is not False
+    report["expect_refusals"] = rc.expect_refusals
+    if problem := kernels_problem(rc.arm, rc.base, report["versions"], rc.expect_refusals):
+        report["error"] = problem
+        flush()
+        return report
     cold_runs = ColdRuns()
     lock = threading.Lock()
     order = {c.case_id: i for i, c in enumerate(cases)}

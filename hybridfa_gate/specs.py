@@ -46,6 +46,9 @@ class RunConfig:
     work: Path = field(default_factory=lambda: Path("/tmp/hybridfa-gate"))
     base: str = DEFAULT_BASE  # the lmcache release under test (set from the engines' view)
     kernels: bool = True  # whether LMCache's compiled copy kernels load (the engines' view)
+    # The patched server is expected to refuse for want of its compiled copy kernels: without
+    # this, a run whose kernels do not load is an error (``run.kernels_problem``).
+    expect_refusals: bool = False
 
     def __post_init__(self) -> None:
         if self.jobs > 1 and not self.kv_cache_memory_bytes:

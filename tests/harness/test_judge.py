@@ -208,6 +208,50 @@ def _passing_evaluation() -> dict:
     return ev
 
 
+def _passing_engines(tp: int = 1) -> tuple[Case, dict, dict, dict]:
+    case = Case("olmo-r5", "NHD", 1, False, tp)
+    p = case.prompt_tokens
+    gdn = {str(p // 80 - 1): "x"}
+    kv = [hashes({"0": "a"}, gdn, rank) for rank in range(tp)]
+    cold, store = engine([5], [], 2.0), engine([5], [], 2.1, kv=kv)
+    return case, cold, store, engine([5], [], 0.5, cached=p // 80 * 80, kv=kv)
+
+
+def test_an_engine_whose_fa_cache_shows_no_layout_is_an_error_where_it_could() -> None:
+    case, cold, store, restore = _passing_engines()
+    restore["observed_layout"] = None  # two kv heads per rank: the strides tell the layout
+    ev = evaluate_case(case, cold, store, restore)
+    assert not ev["pass"] and ev["errors"] == ["restore: its FA cache is laid out None, not NHD"]
+    case, cold, store, restore = _passing_engines(tp=2)
+    for r in (cold, store, restore):
+        r["observed_layout"] = None  # one kv head per rank: no order to tell
+    assert evaluate_case(case, cold, store, restore)["pass"]
+
+
+def test_an_fa_cache_laid_out_otherwise_than_the_case_is_an_error() -> None:
+    case, cold, store, restore = _passing_engines()
+    store["observed_layout"] = "HND"
+    ev = evaluate_case(case, cold, store, restore)
+    assert not ev["pass"] and ev["errors"] == ["store: its FA cache is laid out HND, not NHD"]
+
+
+def test_a_health_request_that_differs_from_the_cold_engines_fails_e() -> None:
+    case, cold, store, restore = _passing_engines()
+    restore["health"] = {"ok": True, "tokens": [1, 3]}
+    ev = evaluate_case(case, cold, store, restore)
+    assert ev["health_ok"] and not ev["health_matches_cold"]
+    assert ev["e"] is False and not ev["pass"] and judge.verdict(ev) == "fails (e)"
+
+
+def test_a_store_engine_whose_tokens_differ_from_the_cold_engines_is_an_error() -> None:
+    case, cold, store, restore = _passing_engines()
+    store["tokens"] = [6]
+    ev = evaluate_case(case, cold, store, restore)
+    assert not ev["pass"] and ev["errors"] == [
+        "the store engine's tokens differ from the cold engine's"
+    ]
+
+
 def test_a_case_with_failed_stores_does_not_pass() -> None:
     rec = {"server1": {"store_failures": 3}}
     assert not judge.add_errors(_passing_evaluation(), judge.run_errors(rec))["pass"]
@@ -349,6 +393,8 @@ def test_a_kv_dtype_change_passes_on_a_miss_that_gives_the_cold_output() -> None
     ev = _dtype_change(0, [5])
     assert ev["pass"] and judge.verdict(ev) == "pass (a miss)", ev
     assert ev["mode"] == "miss" and ev["a"] is None and ev["d"] is None
+    # the store engine ran the other dtype: its tokens are reported, not judged
+    assert ev["info"] == {"cold_tokens_match_store": False}
 
 
 def test_a_kv_dtype_change_that_restores_fails_c_and_shows_the_bug_on_pristine() -> None:
