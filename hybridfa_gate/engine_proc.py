@@ -177,6 +177,26 @@ def _time_lookups(llm: Any, calls: list[dict[str, Any]]) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def lookups_timed(llm: Any, calls: list[dict[str, Any]], wanted: bool = True) -> Iterator[bool]:
+    """``_time_lookups`` for the requests run inside only (``wanted``); yields whether the
+    lookups are timed."""
+    connector = _scheduler_connector(llm)
+    if not wanted or connector is None:
+        yield False
+        return
+    name = "get_num_new_matched_tokens"
+    own = connector.__dict__.get(name)
+    _time_lookups(llm, calls)
+    try:
+        yield True
+    finally:
+        if own is None:
+            delattr(connector, name)
+        else:
+            setattr(connector, name, own)
+
+
 def restore_timeline(
     t0: float, ttft: float, lookups: list[dict[str, Any]], steps: list[dict[str, float]]
 ) -> dict[str, Any]:
@@ -366,15 +386,14 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     for name, tokens in (spec.get("warm_first") or {}).items():
         result.setdefault("warm_first", {})[name] = _generate_timed(llm, tokens, greedy)[1]
 
+    # The measured request, watched: its checkpoints copied as they complete, a restore's
+    # lookups and steps timed. Its TTFT is reported, and (d) times other requests.
     lookups: list[dict[str, Any]] = []
     steps: list[dict[str, float]] = []
-    timed_lookups = spec["role"] == "restore" and _time_lookups(llm, lookups)
     if spec.get("kv_hashes", True):
         llm.collective_rpc(rpc_watch_checkpoints, args=(spec["prompt_key"],))
-    lock = TIMING_LOCK if spec["role"] == "restore" else None
-    turns: list[dict[str, Any]] = []
     lora = loras.get(spec.get("prompt_lora") or "")
-    with timing_turn(lock, turns):
+    with lookups_timed(llm, lookups, spec["role"] == "restore") as timed_lookups:
         e0, t0 = time.time(), time.perf_counter()
         out, timed = _generate_timed(llm, spec["prompt"], greedy, steps, lora)
     result.update(timed, request_epoch=[e0, time.time()], **_output(out))
@@ -415,16 +434,14 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
         args = (prompt_key(p2), len(p2))
         result["turn2"]["kv_hashes"] = llm.collective_rpc(rpc_kv_hashes, args=args)
 
-    with timing_turn(lock, turns):
-        if spec.get("cold_reference"):
-            # The same prefill with nothing to restore, in this engine and under this load,
-            # timed after the measured request (which so pays any first-use costs).
-            result["cold_reference"] = _generate_timed(llm, spec["cold_reference"], greedy)[1]
-        for pair in spec.get("timed_pairs") or []:
-            # (d)'s repeats: a restore of another stored prompt, then a cold prefill, in turn.
-            timed = {name: _generate_timed(llm, t, greedy)[1] for name, t in pair.items()}
-            result.setdefault("timed_pairs", []).append(timed)
-    if turns:
+    if pairs := spec.get("timed_pairs"):
+        # (d): a restore of another stored prompt, then a cold prefill, in turn, each
+        # unwatched, while no other case on the machine times its own.
+        turns: list[dict[str, Any]] = []
+        with timing_turn(TIMING_LOCK, turns):
+            for pair in pairs:
+                timed = {name: _generate_timed(llm, t, greedy)[1] for name, t in pair.items()}
+                result.setdefault("timed_pairs", []).append(timed)
         result["timing_turns"] = turns
 
     for tokens in spec.get("also_store") or []:

@@ -74,7 +74,7 @@ def rpc_install_block_hook(self: Any) -> str:
     def wrapped(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(scheduler_output, *args, **kwargs)
         for st in mr.requests.values():
-            toks = list(st.prompt_token_ids or [])
+            toks = st.prompt_token_ids or []  # not copied: this runs on every step
             key = f"{len(toks)}:" + ",".join(str(t) for t in toks[:16])
             blocks = mr._gate_blocks[key] = [list(g) for g in st.block_ids]
             if key not in mr._gate_watch:

@@ -60,8 +60,7 @@ class Fakes:
         elif role == "cold":
             out = engine([5], lps, 2.0)
         else:
-            out = {**engine([5], lps, 0.5, cached=self.restored, kv=kv), "ttft_s": 0.5}
-            out["cold_reference"] = {"ttft_s": 1.0, "num_cached_tokens": 0}
+            out = engine([5], lps, 0.5, cached=self.restored, kv=kv)
         if "second" in spec:
             b = {**engine([9], lps, 1.0, cached=0, kv=kv), "lora": "B"}
             out["second"] = b
