@@ -29,7 +29,9 @@ from hybridfa_gate.l2 import wait_l2_stable
 from hybridfa_gate.load_loop import load_loop
 from hybridfa_gate.prompts import prompt_key
 from hybridfa_gate.worker import (
+    enum_name,
     rpc_block_hashes,
+    rpc_compilation,
     rpc_init_weights,
     rpc_install_block_hook,
     rpc_kv_hashes,
@@ -240,8 +242,9 @@ def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         "skip_tokenizer_init": True,
         "load_format": "dummy",
         "dtype": "bfloat16",
-        # The gate runs eager; the bench's default arm runs CUDA graphs and compilation as
-        # vLLM defaults them (``"enforce_eager": false``).
+        # Eager unless the spec says otherwise (``"enforce_eager": false``: CUDA graphs and
+        # compilation as vLLM defaults them, the bench's default arm and the gate's graphs
+        # cases; ``resolved_compilation`` reads back what vLLM made of it).
         "enforce_eager": bool(spec.get("enforce_eager", True)),
         "seed": 0,
         "gpu_memory_utilization": spec["gpu_memory_utilization"],
@@ -314,8 +317,26 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
     # backends' candidates); older vLLMs have no such field.
     if (layout := getattr(vc.cache_config, "kv_cache_layout", None)) is not None:
         result["kv_cache_layout"] = layout
+    result["compilation"] = resolved_compilation(llm)
+    mode = result["compilation"]["cudagraph_mode"]
     print(f"[gate] engine up in {result['engine_up_s']}s block_size={vc.cache_config.block_size}")
+    print(f"[gate] enforce_eager={result['compilation']['enforce_eager']} cudagraph_mode={mode}")
     return llm
+
+
+def resolved_compilation(llm: Any) -> dict[str, Any]:
+    """How vLLM resolved torch.compile and CUDA graphs for ``llm`` (an ``LLM``), whatever was
+    asked: the engine's config (``enforce_eager``, the compilation mode, the CUDA-graph mode,
+    the largest captured batch) and each worker's model runner's modes (``workers``)."""
+    vc = llm.llm_engine.vllm_config
+    cc = vc.compilation_config
+    return {
+        "enforce_eager": bool(vc.model_config.enforce_eager),
+        "mode": enum_name(getattr(cc, "mode", None)),
+        "cudagraph_mode": enum_name(cc.cudagraph_mode),
+        "max_cudagraph_capture_size": getattr(cc, "max_cudagraph_capture_size", None),
+        "workers": llm.collective_rpc(rpc_compilation),
+    }
 
 
 def _count_block_table_resyncs(llm: Any) -> dict[str, int] | None:

@@ -256,6 +256,28 @@ def layout_errors(case: Case, engines: dict[str, dict[str, Any]]) -> list[str]:
     return errors
 
 
+def cudagraph_mode(result: dict[str, Any] | None) -> str | None:
+    """The CUDA-graph mode an engine ran with (``engine_proc.resolved_compilation``): its
+    first worker's model runner's, else its config's; None where it reported none."""
+    comp = (result or {}).get("compilation") or {}
+    workers = comp.get("workers") or [{}]
+    return workers[0].get("cudagraph_mode") or comp.get("cudagraph_mode")
+
+
+def graph_errors(case: Case, engines: dict[str, dict[str, Any]]) -> list[str]:
+    """A graphs case's engines must have run CUDA graphs (a mode other than NONE) and an
+    eager case's none; a graphs case's engine that reported no mode is an error too."""
+    asked = "CUDA graphs" if case.graphs else "eager"
+    errors = []
+    for role, r in engines.items():
+        mode = cudagraph_mode(r)
+        if mode is None and case.graphs:
+            errors.append(f"{role}: reported no CUDA-graph mode; the case asked for CUDA graphs")
+        elif mode is not None and (mode != "NONE") != case.graphs:
+            errors.append(f"{role}: vLLM resolved CUDA-graph mode {mode}; the case asked {asked}")
+    return errors
+
+
 def evaluate_case(
     case: Case,
     cold: Result,
@@ -280,14 +302,14 @@ def evaluate_case(
     geo = case.geometry
     observed = restore.get("geometry") or {}
     out["observed_geometry"] = observed
-    engines = (cold, store, restore)
+    engines = {"cold": cold, "store": store, "restore": restore}
     seen = (observed.get("block_size"), observed.get("kernel_page"))
     if seen != (geo.block_size, geo.kernel_page):
         out["errors"].append(f"geometry {observed} != expected {asdict(geo)}")
-    fps = {r.get("weights_fingerprint") for r in engines}
+    fps = {r.get("weights_fingerprint") for r in engines.values()}
     if len(fps) != 1 or None in fps:
         out["errors"].append(f"weights differ across restarts: {sorted(map(str, fps))}")
-    out["errors"] += layout_errors(case, {"cold": cold, "store": store, "restore": restore})
+    out["errors"] += layout_errors(case, engines) + graph_errors(case, engines)
 
     # The reference for (a) and (b): the storing engine's own prompt; for turn 2, vLLM's
     # own prefix cache (the cold engine ran turn 1, then turn 2); after a dtype change, the

@@ -26,7 +26,7 @@ from hybridfa_gate import l2 as l2_tiers
 from hybridfa_gate import lora
 from hybridfa_gate.cases import DEFAULT_BASE, REFUSING_BASES, Case, release
 from hybridfa_gate.forge import forge
-from hybridfa_gate.judge import add_errors, evaluate_case, run_errors
+from hybridfa_gate.judge import add_errors, cudagraph_mode, evaluate_case, run_errors
 from hybridfa_gate.l2 import wait_l2_stable
 from hybridfa_gate.models import expected_chunk_bytes, write_model_dir
 from hybridfa_gate.procs import (
@@ -87,6 +87,7 @@ def case_record(
     mode = case.mode(arm, base, kernels)
     rec.update(kv_cache_dtype=dtype, lora=case.lora, forged=case.forged, mode=mode)
     rec.update(server_args=list(case.server_args), expect_refusal=mode == "refused")
+    rec["enforce_eager"] = not case.graphs  # what was asked; ``cudagraph_mode``: what ran
     rec["expected_chunk_bytes"] = expected_chunk_bytes(
         case.spec, case.chunk, case.tp, case.kv_dtype
     )
@@ -167,6 +168,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     ev = evaluate_case(case, cold, store, restore, rc.arm, rc.base, rc.kernels)
     rec["eval"] = add_errors(ev, run_errors(rec))
     engines = {"cold": cold, "store": store, "restore": restore}
+    rec["cudagraph_mode"] = {role: cudagraph_mode(r) for role, r in engines.items() if r}
     rec["engines"] = {role: slim(r) for role, r in engines.items()}
     rec["case_s"] = round(time.monotonic() - t0, 1)
     if not rc.keep_l2:

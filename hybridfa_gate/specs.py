@@ -110,6 +110,8 @@ def engine_spec(
         weight_std=WEIGHT_STD,
         layout=case.layout,
     )
+    if case.graphs:
+        spec["enforce_eager"] = False
     if (dtype := case.kv_cache_dtype(role)) != "auto":
         spec["kv_cache_dtype"] = dtype
     if rc.kv_cache_memory_bytes:
@@ -194,5 +196,5 @@ def restore_spec(
 def cold_key(case: Case) -> tuple[Any, ...]:
     """What a cold engine's results depend on (the chunk only through turn 1's length)."""
     keys = ("model", "prompt_tokens", "layout", "tp", "backend", "max_num_batched_tokens")
-    keys += ("spec_tokens", "answer_tokens", "turn", "lora")
+    keys += ("spec_tokens", "answer_tokens", "turn", "lora", "graphs")
     return (*(getattr(case, k) for k in keys), case.kv_cache_dtype("cold"))

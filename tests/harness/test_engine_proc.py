@@ -360,3 +360,28 @@ def test_a_restore_engine_watches_its_measured_request_and_times_others_unwatche
     assert {k: v for k, v in seen.items() if k != "3"} == dict.fromkeys("124567", (False, False))
     assert len(result["timed_pairs"]) == 2 and result["timing_turns"][0]["held"]
     assert "get_num_new_matched_tokens" not in vars(connector)  # the connector's own again
+
+
+def test_the_compilation_vllm_resolved_is_read_back_from_engine_and_workers() -> None:
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace as NS
+
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    asked = NS(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    asked.max_cudagraph_capture_size = 512
+    # the model runner lowered the mode to what its attention backends support
+    ran = NS(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE)
+    workers = [NS(worker=NS(model_runner=NS(compilation_config=ran), rank=0))]
+    vc = NS(compilation_config=asked, model_config=NS(enforce_eager=False))
+    llm = NS(
+        llm_engine=NS(vllm_config=vc),
+        collective_rpc=lambda fn: [fn(w) for w in workers],
+    )
+    assert engine_proc.resolved_compilation(llm) == {
+        "enforce_eager": False,
+        "mode": "VLLM_COMPILE",
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
+        "max_cudagraph_capture_size": 512,
+        "workers": [{"rank": 0, "mode": "VLLM_COMPILE", "cudagraph_mode": "PIECEWISE"}],
+    }

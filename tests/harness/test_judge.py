@@ -244,6 +244,43 @@ def test_a_store_engine_whose_tokens_differ_from_the_cold_engines_is_an_error() 
     ]
 
 
+def _graphs_engines(modes: dict[str, str | None]) -> dict:
+    """A graphs case's evaluation, each engine having resolved ``modes[role]`` (None: none
+    reported)."""
+    _, cold, store, restore = _passing_engines()
+    case = Case("olmo-r5", "NHD", 1, False, graphs=True)
+    for role, r in (("cold", cold), ("store", store), ("restore", restore)):
+        if (mode := modes.get(role, "FULL_AND_PIECEWISE")) is not None:
+            worker = {"rank": 0, "cudagraph_mode": mode}
+            r["compilation"] = {"cudagraph_mode": "FULL_AND_PIECEWISE", "workers": [worker]}
+    return evaluate_case(case, cold, store, restore)
+
+
+def test_a_graphs_case_passes_where_every_engine_ran_cuda_graphs() -> None:
+    assert _graphs_engines({})["pass"]
+
+
+def test_a_graphs_case_whose_engine_ran_eager_is_an_error() -> None:
+    ev = _graphs_engines({"restore": "NONE"})
+    assert not ev["pass"] and ev["errors"] == [
+        "restore: vLLM resolved CUDA-graph mode NONE; the case asked CUDA graphs"
+    ]
+
+
+def test_a_graphs_case_whose_engine_reported_no_mode_is_an_error() -> None:
+    ev = _graphs_engines({"cold": None})
+    assert not ev["pass"] and ev["errors"] == [
+        "cold: reported no CUDA-graph mode; the case asked for CUDA graphs"
+    ]
+
+
+def test_an_eager_case_whose_engine_ran_cuda_graphs_is_an_error() -> None:
+    case, cold, store, restore = _passing_engines()
+    store["compilation"] = {"cudagraph_mode": "PIECEWISE", "workers": []}
+    ev = evaluate_case(case, cold, store, restore)
+    assert ev["errors"] == ["store: vLLM resolved CUDA-graph mode PIECEWISE; the case asked eager"]
+
+
 def test_a_case_with_failed_stores_does_not_pass() -> None:
     rec = {"server1": {"store_failures": 3}}
     assert not judge.add_errors(_passing_evaluation(), judge.run_errors(rec))["pass"]

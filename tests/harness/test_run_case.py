@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from judge_fakes import engine, hashes
 
-from hybridfa_gate import forge, run
+from hybridfa_gate import forge, report, run
 from hybridfa_gate.cases import Case, select_cases
 from hybridfa_gate.specs import RunConfig
 
@@ -64,6 +64,8 @@ class Fakes:
         if "second" in spec:
             b = {**engine([9], lps, 1.0, cached=0, kv=kv), "lora": "B"}
             out["second"] = b
+        eager = spec.get("enforce_eager", True)
+        out["compilation"] = {"cudagraph_mode": "NONE" if eager else "FULL_AND_PIECEWISE"}
         return {**out, "geometry": geo, "observed_layout": case.layout}
 
 
@@ -144,3 +146,17 @@ def test_a_dtype_change_case_records_both_dtypes(rc: RunConfig, monkeypatch) -> 
     assert fakes.specs["store"]["kv_cache_dtype"] == "fp8_e4m3"
     assert fakes.specs["restore"]["kv_cache_dtype"] == "fp8_e5m2"
     assert rec["eval"]["pass"] and rec["eval"]["mode"] == "miss", rec["eval"]
+
+
+def test_a_graphs_case_reports_the_cuda_graph_mode_each_engine_ran(
+    rc: RunConfig, monkeypatch
+) -> None:
+    (case,) = select_cases("olmo-r5-NHD-c1N-offset-graphs")
+    Fakes(monkeypatch, case, case.promisable_hit)
+    rec = run.run_case(case, rc, run.ColdRuns())
+    assert rec["eval"]["pass"], rec["eval"]
+    assert rec["enforce_eager"] is False
+    assert rec["cudagraph_mode"] == dict.fromkeys(
+        ("cold", "store", "restore"), "FULL_AND_PIECEWISE"
+    )
+    assert report.table_row("patched", rec)[7] == "FULL_AND_PIECEWISE"

@@ -151,3 +151,12 @@ def test_a_forged_case_lists_the_prompts_objects_after_a_warmup_that_stores_none
     assert spec["l2_snapshot"] == {"min_objects": case.prompt_tokens // case.chunk}
     restore = restore_spec(case, tmp_path, rc, 2)
     assert "l2_snapshot" not in restore and len(restore["warmup"]) > case.chunk
+
+
+def test_a_graphs_case_runs_every_engine_as_vllm_defaults_it(tmp_path: Path, rc: RunConfig) -> None:
+    (case,) = select_cases("olmo-r5-NHD-c1N-offset-graphs")
+    for role in ("cold", "store", "restore"):
+        assert engine_spec(case, role, tmp_path, rc, 1, None)["enforce_eager"] is False
+    eager = Case("olmo-r5", "NHD", 1, False)
+    assert "enforce_eager" not in engine_spec(eager, "cold", tmp_path, rc, 1, None)
+    assert specs.cold_key(case) != specs.cold_key(eager)  # one cold engine each
