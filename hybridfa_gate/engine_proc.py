@@ -474,11 +474,6 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
             llm.llm_engine.step()
         result["idle"] = not sched.has_requests()
 
-    if spec["role"] == "store" and spec.get("l2"):
-        result["l2_wait"] = _wait_l2(
-            spec["l2"], int(spec.get("l2_min_objects", 1)), server_log=spec.get("server_log")
-        )
-
     if spec["role"] in HEALTH_ROLES:
         t1, e1 = time.perf_counter(), time.time()
         try:
@@ -487,6 +482,11 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
         except Exception as e:  # noqa: BLE001 - reported, judged by the gate
             result["health"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         result["health"]["epoch"] = [e1, time.time()]
+
+    if spec["role"] in ("store", "restore") and spec.get("l2"):
+        result["l2_wait"] = _wait_l2(
+            spec["l2"], int(spec.get("l2_min_objects", 1)), server_log=spec.get("server_log")
+        )
     return llm
 
 

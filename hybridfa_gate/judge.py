@@ -35,7 +35,9 @@ Where the right answer is a miss, a case is judged by the criteria that apply to
 - miss: a kv_cache_dtype change across the restart (the stored bytes mean other values):
   (b) against the cold engine, which runs the restore's dtype, (c) no external hit, (e);
 - forged: one FA object of the hit rewritten after the store (``forge.py``): (a), (b),
-  (c) fewer hit tokens than the promise (a miss from the forged chunk on), (e).
+  (c) fewer hit tokens than the promise (a miss from the forged chunk on), (e); then server
+  and engine restart once more and restore again, judged by (a), (b) against the cold engine,
+  (c) and (e) as ``judge_restart`` says: the forged bytes must not come back.
 
 A LoRA case judges adapter A's request by (a)-(e) and adds adapter B's request on the same
 prompt to (a)-(c): "other" (only A was stored) B restores nothing and (b) compares it with the
@@ -181,8 +183,17 @@ def judge_c(out: dict[str, Any], case: Case, mode: str = "restore") -> None:
         out["c"] = hit < promise
     else:
         out["c"] = hit > 0 and hit >= out["required_hit"]
-    if (second := out.get("lora_b")) is not None:
-        out["c"] = out["c"] and second["c"]
+    out["c"] = out["c"] and _also(out, "c")
+
+
+# A case's further requests, each judged by some of the criteria: adapter B's request of a
+# LoRA case, a forged case's restore after a second restart.
+FURTHER = ("lora_b", "restart")
+
+
+def _also(out: dict[str, Any], criterion: str) -> bool:
+    """Whether every further request of the case meets ``criterion`` where it is judged by it."""
+    return all(out[k].get(criterion, True) for k in FURTHER if out.get(k) is not None)
 
 
 JUDGED = {"restore": "abcde", "refused": "bce", "miss": "bce", "forged": "abce"}
@@ -227,6 +238,41 @@ def judge_lora_b(
     kv = compare_kv_hashes(ref.get("kv_hashes"), got.get("kv_hashes"), hit)
     bar = required_hit(case.prompt_tokens, case.chunk, case.promisable_hit)
     out.update(a=bool(kv["match"]) and hit > 0, c=hit >= bar and hit > 0, kv=kv)
+    return out
+
+
+def judge_restart(
+    case: Case, cold: dict[str, Any], store: dict[str, Any], restart: Result, forged_kept: bool
+) -> dict[str, Any]:
+    """A forged case's restore after a second restart of server and engine, on the tier as the
+    first restore left it. Where the forged payload is still in its file (``forged_kept``),
+    (c) a miss from its chunk on, as the first time; where the server replaced that file, (c)
+    the hit bar of a restore. Either way (a) every KV byte is the storing engine's, restored
+    or recomputed, (b) the tokens and logprobs are the cold engine's and (e) a further request
+    completes with the cold engine's tokens: the forged bytes never come back, whatever tag a
+    server wrote beside them."""
+    out: dict[str, Any] = {"errors": [], "forged_kept": forged_kept}
+    if not restart or not restart.get("ok"):
+        out["errors"].append(f"restart: {(restart or {}).get('error', 'no result')}"[:2000])
+        return {**out, "a": False, "b": False, "c": False, "e": False}
+    out["errors"] += layout_errors(case, {"restart": restart})
+    out["errors"] += graph_errors(case, {"restart": restart})
+    if restart.get("weights_fingerprint") != store.get("weights_fingerprint"):
+        out["errors"].append("restart: its weights differ from the storing engine's")
+    hit, local = connector_hit(restart)
+    if local:
+        out["errors"].append(f"restart: the engine's own prefix cache served {local} tokens")
+    kv = compare_kv_hashes(store.get("kv_hashes"), restart.get("kv_hashes"), hit)
+    out.update(hit_tokens=hit, kv=kv, a=bool(kv["match"]))
+    out["b"] = _check_output(out, cold, restart)
+    if forged_kept:
+        out["c"] = hit < case.promisable_hit
+    else:
+        bar = required_hit(case.prompt_tokens, case.chunk, case.promisable_hit)
+        out["c"] = hit > 0 and hit >= bar
+    health = restart.get("health") or {}
+    cold_health = (cold.get("health") or {}).get("tokens")
+    out["e"] = bool(health.get("ok")) and health.get("tokens") == cold_health
     return out
 
 
@@ -286,9 +332,13 @@ def evaluate_case(
     arm: str = "patched",
     base: str = DEFAULT_BASE,
     kernels: bool = True,
+    restart: Result = None,
+    forged_kept: bool = True,
 ) -> dict[str, Any]:
     """The criteria of the case's mode on ``arm`` of ``base`` (``kernels``: whether its
-    compiled copy kernels load) plus validity checks, from the three engines' results."""
+    compiled copy kernels load) plus validity checks, from the three engines' results; for a
+    forged case also from the restore after a second restart (``restart``; ``forged_kept``:
+    whether the forged payload was still in its file then, ``judge_restart``)."""
     mode = case.mode(arm, base, kernels)
     out: dict[str, Any] = {"errors": [], "refused": mode == "refused", "mode": mode}
     out["judged"] = JUDGED[mode]
@@ -364,9 +414,12 @@ def evaluate_case(
     if case.lora:
         out["lora_b"] = second = judge_lora_b(case, cold, store, restore, mode == "refused")
         out["errors"] += second.pop("errors")
+    if mode == "forged":
+        out["restart"] = again = judge_restart(case, cold, store, restart, forged_kept)
+        out["errors"] += again.pop("errors")
     judge_c(out, case, mode)
-    out["e"] = out["health_ok"] and out["health_matches_cold"]
-    out["b"] = out["tokens_match"] and lp_ok and out.get("lora_b", {}).get("b", True)
+    out["e"] = out["health_ok"] and out["health_matches_cold"] and _also(out, "e")
+    out["b"] = out["tokens_match"] and lp_ok and _also(out, "b")
     if mode in ("refused", "miss"):
         out.update(a=None, d=None)
         out["pass"] = passes(out)
@@ -378,7 +431,7 @@ def evaluate_case(
             "no external hit: nothing was restored from L2, (a) and (b) prove nothing"
         )
         out["bytes_match"] = kv["match"] = None
-    out["a"] = bool(kv["match"]) and out.get("lora_b", {}).get("a", True)
+    out["a"] = bool(kv["match"]) and _also(out, "a")
     # (d) against the cold prefills timed in the restore engine itself, interleaved with its
     # restores and under the same load (medians of each side); the separate cold engine ran
     # at another time, its TTFT is only reported.

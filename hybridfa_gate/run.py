@@ -25,7 +25,7 @@ from typing import Any
 from hybridfa_gate import l2 as l2_tiers
 from hybridfa_gate import lora
 from hybridfa_gate.cases import DEFAULT_BASE, REFUSING_BASES, Case, release
-from hybridfa_gate.forge import forge
+from hybridfa_gate.forge import forge, forged_payload_kept
 from hybridfa_gate.judge import add_errors, cudagraph_mode, evaluate_case, run_errors
 from hybridfa_gate.l2 import wait_l2_stable
 from hybridfa_gate.models import expected_chunk_bytes, write_model_dir
@@ -40,7 +40,14 @@ from hybridfa_gate.procs import (
     start_server,
 )
 from hybridfa_gate.report import write_report
-from hybridfa_gate.specs import RunConfig, cold_key, engine_spec, restore_spec, store_spec
+from hybridfa_gate.specs import (
+    RunConfig,
+    cold_key,
+    engine_spec,
+    restart_spec,
+    restore_spec,
+    store_spec,
+)
 
 # patched: this series' wheel; pristine: the base's lmcache release (0.5.3, or 0.5.6 for vLLM
 # 0.29+); control: pristine 0.5.3 with the few patches that let it store at all where it cannot
@@ -113,7 +120,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     cold_spec = engine_spec(case, "cold", model_dir, rc, None, None, adapters=adapters)
     run_cold = functools.partial(run_engine, rc.python, env, cold_spec, wd, "cold")
     cold = cold_runs.get_or_run(cold_key(case), lambda: run_cold(rc.engine_timeout))
-    store = restore = None
+    store = restore = restart = None
     servers: list[subprocess.Popen[Any]] = []
     redis: l2_tiers.RedisServer | None = None
     try:
@@ -154,10 +161,22 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             srv = server(port, case.chunk, adapter, wd / "server2.log")
             servers.append(srv)
             answer = store.get("tokens") or ()
-            rspec = restore_spec(case, model_dir, rc, port, answer, adapters)
+            rspec = restore_spec(case, model_dir, rc, port, answer, adapters, tier)
             restore = run_engine(rc.python, env, rspec, wd, "restore", rc.engine_timeout)
             kill_group(srv)
             rec["server2"] = server_log_facts((wd / "server2.log").read_text(errors="replace"))
+            if rec.get("forged_object") and restore.get("ok"):
+                # What the first restore left in the forged object's file, then another
+                # restart of server and engine on that tier.
+                kept = forged_payload_kept(l2, rec["forged_object"])
+                rec["forged_after_restore"] = {"kept": kept}
+                port, log = free_port(), wd / "server3.log"
+                srv = server(port, case.chunk, adapter, log)
+                servers.append(srv)
+                xspec = restart_spec(case, model_dir, rc, port, adapters)
+                restart = run_engine(rc.python, env, xspec, wd, "restart", rc.engine_timeout)
+                kill_group(srv)
+                rec["server3"] = server_log_facts(log.read_text(errors="replace"))
     except (ServerError, FileNotFoundError, RuntimeError) as e:
         rec["server_error"] = str(e)[-3000:]
     finally:
@@ -165,9 +184,12 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             kill_group(s)
         if redis is not None:
             redis.close()
-    ev = evaluate_case(case, cold, store, restore, rc.arm, rc.base, rc.kernels)
+    kept = (rec.get("forged_after_restore") or {}).get("kept", True)
+    ev = evaluate_case(case, cold, store, restore, rc.arm, rc.base, rc.kernels, restart, kept)
     rec["eval"] = add_errors(ev, run_errors(rec))
     engines = {"cold": cold, "store": store, "restore": restore}
+    if restart is not None:
+        engines["restart"] = restart
     rec["cudagraph_mode"] = {role: cudagraph_mode(r) for role, r in engines.items() if r}
     rec["engines"] = {role: slim(r) for role, r in engines.items()}
     rec["case_s"] = round(time.monotonic() - t0, 1)

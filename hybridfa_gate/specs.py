@@ -175,6 +175,7 @@ def restore_spec(
     port: int,
     answer: Sequence[int] = (),
     adapters: dict[str, str] | None = None,
+    l2: Path | str | None = None,
 ) -> dict[str, Any]:
     """The restore engine's spec. A fresh engine's first request of a new length paid 0.7-2.5 s
     more on an H200 (2026-11-29; Triton compiling and autotuning GDN kernels per shape, most
@@ -182,15 +183,27 @@ def restore_spec(
     cold-prefills a third. The measured restore is watched (its checkpoints copied, its
     lookups timed) and so not timed for (d): (d)'s pairs follow it, each a restore of another
     stored prompt and a cold prefill of an unstored one. A turn-2 case restores turn 2
-    (``answer``: turn 1's tokens); its pairs are turn-1 prompts."""
+    (``answer``: turn 1's tokens); its pairs are turn-1 prompts. A forged case's engine keeps
+    its KV until the server has stored what it recomputed (``l2``: the tier), so that the
+    next restart finds the tier as this engine left it."""
     p = case.prompt_tokens
     spec = engine_spec(case, "restore", model_dir, rc, port, None, adapters=adapters)
     if case.turn == 2:
         prompt = [*make_prompt(p, seed=1), *answer, *TURN2_QUESTION]
         spec.update(prompt=prompt, prompt_key=prompt_key(prompt), new_tokens=NEW_TOKENS)
+    if case.forged and l2 is not None:
+        spec.update(l2=str(l2), l2_min_objects=0)
     pairs = [(WARM_RESTORE_SEED, 5), *D_PAIR_SEEDS]
     timed = [{"restore": make_prompt(p, seed=r), "cold": make_prompt(p, seed=c)} for r, c in pairs]
     return {**spec, "warm_first": timed[0], "timed_pairs": timed[1:]}
+
+
+def restart_spec(
+    case: Case, model_dir: Path, rc: RunConfig, port: int, adapters: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """A forged case's restore after a second restart: the measured prompt in a fresh engine,
+    nothing timed ((d) does not apply)."""
+    return engine_spec(case, "restore", model_dir, rc, port, None, adapters=adapters)
 
 
 def cold_key(case: Case) -> tuple[Any, ...]:

@@ -436,15 +436,30 @@ def test_a_kv_dtype_change_that_restores_fails_c_and_shows_the_bug_on_pristine()
 # --- a forged object ------------------------------------------------------------------------
 
 
-def _forged(hit: int, fa_restored: str) -> dict:
-    case = Case("qwen35-r5", "NHD", 2, False, forged=True)
-    p = case.prompt_tokens
-    lps = [{"5": -1.0}]
+FORGED_CASE = Case("qwen35-r5", "NHD", 2, False, forged=True)
+FULL = FORGED_CASE.promisable_hit
+
+
+def _forged_restore(hit: int, fa: str) -> dict:
+    """A restore engine of the forged case: ``hit`` tokens restored, FA block 1 hashed ``fa``
+    (the storing engine's is "b")."""
     gdn = {str(hit // 80 - 1): "x"} if hit else {}
-    store_kv = [hashes({"0": "a", "1": "b"}, {str(p // 80 - 1): "x", **gdn})]
+    return engine([5], [{"5": -1.0}], 1.0, cached=hit, kv=[hashes({"0": "a", "1": fa}, gdn)])
+
+
+def _forged(hit: int, fa_restored: str, restart: dict | None = None, kept: bool = True) -> dict:
+    """The forged case's evaluation; the restore after the second restart is ``restart``, by
+    default a miss from the forged chunk on again (13 of 26 chunks restored)."""
+    p = FORGED_CASE.prompt_tokens
+    lps = [{"5": -1.0}]
+    gdn = {str(t // 80 - 1): "x" for t in (p, hit, 160 * 13, FULL) if t}
+    store_kv = [hashes({"0": "a", "1": "b"}, gdn)]
     cold, store = engine([5], lps, 2.0), engine([5], lps, 2.0, kv=store_kv)
-    restore = engine([5], lps, 1.0, cached=hit, kv=[hashes({"0": "a", "1": fa_restored}, gdn)])
-    return evaluate_case(case, cold, store, restore, "patched")
+    restore = _forged_restore(hit, fa_restored)
+    again = _forged_restore(160 * 13, "b") if restart is None else restart
+    return evaluate_case(
+        FORGED_CASE, cold, store, restore, "patched", restart=again, forged_kept=kept
+    )
 
 
 def test_a_forged_object_passes_when_the_restore_stops_before_it() -> None:
@@ -454,10 +469,37 @@ def test_a_forged_object_passes_when_the_restore_stops_before_it() -> None:
 
 
 def test_a_forged_object_that_is_restored_fails() -> None:
-    full = Case("qwen35-r5", "NHD", 2, False).promisable_hit
-    ev = _forged(full, "FORGED")
+    ev = _forged(FULL, "FORGED")
     assert not ev["pass"] and ev["a"] is False and ev["c"] is False
     assert judge.pristine_shows_the_bug(ev)[0]
+
+
+def test_a_forged_object_restored_after_the_next_restart_fails() -> None:
+    """The forged payload, still in its file, sealed anew by a server that read it: the
+    restore after the second restart takes it."""
+    ev = _forged(160 * 13, "b", restart=_forged_restore(FULL, "FORGED"))
+    assert ev["restart"]["a"] is False and ev["restart"]["c"] is False
+    assert not ev["pass"] and judge.verdict(ev) == "fails (a) (c)"
+
+
+def test_a_forged_case_without_its_restore_after_the_next_restart_is_an_error() -> None:
+    ev = _forged(160 * 13, "b", restart={"ok": False, "error": "boom"})
+    assert not ev["pass"] and ev["errors"] == ["restart: boom"]
+
+
+def test_a_forged_object_the_first_restore_replaced_is_restored_whole_after_the_restart() -> None:
+    ev = _forged(160 * 13, "b", restart=_forged_restore(FULL, "b"), kept=False)
+    assert ev["pass"] and ev["restart"]["hit_tokens"] == FULL, ev
+    # replaced, and still a miss: the tier lost a chunk it holds
+    ev = _forged(160 * 13, "b", kept=False)
+    assert not ev["pass"] and ev["restart"]["c"] is False
+
+
+def test_the_restore_after_the_restart_gives_the_cold_engines_output() -> None:
+    restart = _forged_restore(160 * 13, "b")
+    restart["tokens"] = [6]
+    ev = _forged(160 * 13, "b", restart=restart)
+    assert ev["restart"]["b"] is False and judge.verdict(ev) == "fails (b)"
 
 
 # --- LoRA -----------------------------------------------------------------------------------

@@ -108,6 +108,21 @@ def test_a_forged_case_rewrites_one_object_of_the_prompt_before_the_restore(
     assert fakes.specs["store"]["l2_snapshot"]["min_objects"] == count
 
 
+def test_a_forged_case_restarts_once_more_and_restores_again(rc: RunConfig, monkeypatch) -> None:
+    (case,) = select_cases("qwen35-r5-NHD-c2N-offset-forged")
+    fakes = Fakes(monkeypatch, case, case.chunk * 13)
+    rec = run.run_case(case, rc, run.ColdRuns())
+    assert list(fakes.specs) == ["cold", "store", "restore", "restart"]
+    assert len(fakes.servers) == 3 and "server3" in rec
+    assert fakes.specs["restart"]["prompt"] == fakes.specs["store"]["prompt"]
+    assert "timed_pairs" not in fakes.specs["restart"]
+    # the first restore keeps its KV until what it recomputed is stored
+    assert fakes.specs["restore"]["l2"] == str(rc.work / "patched" / case.case_id / "l2")
+    assert rec["forged_after_restore"] == {"kept": True}  # nothing rewrote the forged file
+    assert rec["eval"]["restart"]["forged_kept"] and rec["eval"]["pass"], rec["eval"]
+    assert "restart" in rec["engines"]
+
+
 def test_a_forged_case_whose_store_listed_nothing_is_an_error(rc: RunConfig, monkeypatch) -> None:
     (case,) = select_cases("qwen35-r5-NHD-c2N-offset-forged")
     fakes = Fakes(monkeypatch, case, 0)
