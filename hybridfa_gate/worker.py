@@ -63,9 +63,9 @@ def enum_name(value: Any) -> Any:
 def rpc_compilation(self: Any) -> dict[str, Any]:
     """The compilation and CUDA-graph modes of this worker's model runner, which may lower the
     CUDA-graph mode it was configured with to what its attention backends support."""
-    cc = runner(self).compilation_config
-    mode = enum_name(getattr(cc, "mode", None))
-    return {"rank": rank_of(self), "mode": mode, "cudagraph_mode": enum_name(cc.cudagraph_mode)}
+    cc = getattr(runner(self), "compilation_config", None)
+    mode, graphs = (enum_name(getattr(cc, k, None)) for k in ("mode", "cudagraph_mode"))
+    return {"rank": rank_of(self), "mode": mode, "cudagraph_mode": graphs}
 
 
 def rpc_install_block_hook(self: Any) -> str:
@@ -87,7 +87,7 @@ def rpc_install_block_hook(self: Any) -> str:
     def wrapped(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(scheduler_output, *args, **kwargs)
         for st in mr.requests.values():
-            toks = st.prompt_token_ids or []  # not copied: this runs on every step
+            toks = list(st.prompt_token_ids or [])
             key = f"{len(toks)}:" + ",".join(str(t) for t in toks[:16])
             blocks = mr._gate_blocks[key] = [list(g) for g in st.block_ids]
             if key not in mr._gate_watch:
