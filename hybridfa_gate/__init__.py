@@ -5,7 +5,8 @@ Layers, bottom up (each imports only those above it in this list):
 
 - ``models``     the tiny hybrid models (config.json) and the block geometry vLLM derives
 - ``prompts``    deterministic prompts and the hit arithmetic of a hybrid connector
-- ``l2``         L2 tiers: adapter JSON, a throwaway redis-server, object inventories
+- ``l2``         L2 tiers: adapter JSON, a throwaway redis-server, object inventories, the
+                 wait for a tier to settle
 - ``cases``      a case (one store/restart/restore setting) and the named case sets
 - ``lora``, ``forge``  what some cases add: LoRA adapters, a forged L2 object
 - ``procs``      processes: LMCache servers, engines (``engine_proc``), logs, cleanup
@@ -13,9 +14,12 @@ Layers, bottom up (each imports only those above it in this list):
 - ``judge``      the criteria (a)-(e), defined in its docstring, and the verdicts
 - ``report``     JSON and markdown reports
 - ``run``        one case, many cases, the run's environment
+- ``options``    the command-line options of the gate (``cli``) and the fault and load runs
 
 The engine itself is ``engine_proc`` (one vLLM engine per process; ``worker`` holds what it
-runs inside vLLM's worker), started by ``procs``; it imports torch and vLLM.
+runs inside vLLM's worker, ``load_loop`` the load role's request loop), started by ``procs``; it
+imports torch and vLLM, and of this package only what it runs (``worker``, ``load_loop``,
+``l2``, ``forge``, ``prompts``, ``models``).
 
 Entry points, from the checkout root (this process imports the standard library only, and
 blake3 for a forged case; vLLM and torch only the engines): ``python -m pytest tests/gpu`` (the

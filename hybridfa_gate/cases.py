@@ -47,6 +47,12 @@ DEFAULT_BASE = "0.5.3"
 REFUSING_BASES = ("0.5.3", "0.5.6")
 
 
+def release(version: object) -> tuple[int, ...] | None:
+    """(0, 5, 6) of "0.5.6+hybridfa.1", (0, 29, 0) of "0.29.0"; None when unreadable."""
+    parts = str(version or "").split("+")[0].split(".")[:3]
+    return tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else None
+
+
 @dataclass(frozen=True)
 class Case:
     model: str  # key of MODELS
@@ -72,6 +78,9 @@ class Case:
     # lmcache.mp.save_decode_cache in every engine: pristine lmcache 0.5.6 stores chunks
     # completed during decode only then (0.5.3 always stores them and ignores the key).
     save_decode: bool = False
+    # CUDA graphs and torch.compile in every engine, as vLLM defaults them (enforce_eager
+    # off); otherwise every engine runs eager.
+    graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.lora not in LORA_MODES:
@@ -124,8 +133,9 @@ class Case:
         forged = "-forged" if self.forged else ""
         sog = "-sog" if self.separate_groups else ""
         decode = "-savedecode" if self.save_decode else ""
+        graphs = "-graphs" if self.graphs else ""
         head = f"{self.model}-{self.layout}-c{self.chunk_blocks}N-{kind}"
-        return f"{head}{fa}{mbt}{mtp}{turn}{l2}{kv}{lora}{forged}{sog}{decode}{tp}"
+        return f"{head}{fa}{mbt}{mtp}{turn}{l2}{kv}{lora}{forged}{sog}{decode}{graphs}{tp}"
 
     def mode(self, arm: str, base: str = DEFAULT_BASE, kernels: bool = True) -> str:
         """What a pass means for this case on ``arm`` of ``base`` (judge.py): "restore", the
@@ -330,9 +340,21 @@ def decode_matrix(tp: int = 1) -> list[Case]:
     return [Case("qwen35-r5", "HND", 2, False, tp, spec_tokens=1, turn=2, save_decode=True)]
 
 
+def graphs_matrix(tp: int = 1) -> list[Case]:
+    """Every engine with CUDA graphs and torch.compile as vLLM defaults them, as deployments
+    run: core-like cases of both families, NHD and HND, and MTP."""
+    return [
+        Case("olmo-r5", "NHD", 1, False, tp, graphs=True),
+        Case("qwen35-r5", "HND", 2, True, tp, graphs=True),
+        Case("olmo-r17", "HND", 1, True, tp, graphs=True),
+        Case("qwen35-r5", "NHD", 2, False, tp, spec_tokens=1, graphs=True),
+    ]
+
+
 # The selectors' case sets; every case a selector can name is in full or a later one.
 CASE_SETS = (quick_matrix, core_matrix, all_matrix, full_matrix, deploy_matrix, mtp_matrix)
 CASE_SETS += (turn2_matrix, l2_matrix, fp8_matrix, identity_matrix, seed_matrix, decode_matrix)
+CASE_SETS += (graphs_matrix,)
 SET_NAMES = tuple(f.__name__.removesuffix("_matrix") for f in CASE_SETS)
 
 

@@ -2,10 +2,11 @@
 
 SPEC (``specs.engine_spec`` and friends) names the role: cold, store or restore (the restart
 gate), fault-store (``fault.py``: a store that also runs the health request and does not wait
-for L2) or load (``load.py``: many requests through LLMEngine, see ``load.load_loop``). OUT gets
+for L2) or load (``load.py``: many requests through LLMEngine, see ``load_loop.py``). OUT gets
 the result, with "ok" and, on failure, the traceback in "error". The parent sets
 VLLM_KV_CACHE_LAYOUT, VLLM_ENABLE_V1_MULTIPROCESSING=0 and PYTHONPATH (lmcache under test
-first). The worker-side helpers are in ``worker.py``.
+first). The worker-side helpers are in ``worker.py``. This process imports only the gate
+modules it runs (tests/harness/test_engine_imports.py pins them).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hybridfa_gate import load
 from hybridfa_gate.forge import snapshot
-from hybridfa_gate.procs import wait_l2_stable
+from hybridfa_gate.l2 import wait_l2_stable
+from hybridfa_gate.load_loop import load_loop
 from hybridfa_gate.prompts import prompt_key
 from hybridfa_gate.worker import (
+    enum_name,
     rpc_block_hashes,
+    rpc_compilation,
     rpc_init_weights,
     rpc_install_block_hook,
     rpc_kv_hashes,
@@ -40,7 +43,7 @@ def _wait_l2(
     tier: str, min_objects: int, timeout: float = 90.0, server_log: str | None = None
 ) -> dict[str, Any]:
     """Stores are asynchronous: keep this process (and its GPU KV, which the server reads
-    through CUDA IPC) alive until the chunks reached the L2 tier (``procs.wait_l2_stable``)."""
+    through CUDA IPC) alive until the chunks reached the L2 tier (``l2.wait_l2_stable``)."""
     t0 = time.monotonic()
     log = Path(server_log) if server_log else None
     res = wait_l2_stable(tier, min_objects, timeout=timeout, server_log=log)
@@ -176,6 +179,26 @@ def _time_lookups(llm: Any, calls: list[dict[str, Any]]) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def lookups_timed(llm: Any, calls: list[dict[str, Any]], wanted: bool = True) -> Iterator[bool]:
+    """``_time_lookups`` for the requests run inside only (``wanted``); yields whether the
+    lookups are timed."""
+    connector = _scheduler_connector(llm)
+    if not wanted or connector is None:
+        yield False
+        return
+    name = "get_num_new_matched_tokens"
+    own = connector.__dict__.get(name)
+    _time_lookups(llm, calls)
+    try:
+        yield True
+    finally:
+        if own is None:
+            delattr(connector, name)
+        else:
+            setattr(connector, name, own)
+
+
 def restore_timeline(
     t0: float, ttft: float, lookups: list[dict[str, Any]], steps: list[dict[str, float]]
 ) -> dict[str, Any]:
@@ -219,8 +242,9 @@ def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         "skip_tokenizer_init": True,
         "load_format": "dummy",
         "dtype": "bfloat16",
-        # The gate runs eager; the bench's default arm runs CUDA graphs and compilation as
-        # vLLM defaults them (``"enforce_eager": false``).
+        # Eager unless the spec says otherwise (``"enforce_eager": false``: CUDA graphs and
+        # compilation as vLLM defaults them, the bench's default arm and the gate's graphs
+        # cases; ``resolved_compilation`` reads back what vLLM made of it).
         "enforce_eager": bool(spec.get("enforce_eager", True)),
         "seed": 0,
         "gpu_memory_utilization": spec["gpu_memory_utilization"],
@@ -279,10 +303,12 @@ def lora_requests(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> Any:
+    import vllm
     from vllm import LLM
 
     llm = LLM(**llm_kwargs(spec))
     vc = llm.llm_engine.vllm_config
+    result["vllm"] = vllm.__version__
     result["engine_up_s"] = round(time.monotonic() - t_start, 2)
     result["cache_block_size"] = vc.cache_config.block_size
     result["mamba_page_size_padded"] = vc.cache_config.mamba_page_size_padded
@@ -291,8 +317,26 @@ def _build_llm(spec: dict[str, Any], result: dict[str, Any], t_start: float) -> 
     # backends' candidates); older vLLMs have no such field.
     if (layout := getattr(vc.cache_config, "kv_cache_layout", None)) is not None:
         result["kv_cache_layout"] = layout
+    result["compilation"] = resolved_compilation(llm)
+    mode = result["compilation"]["cudagraph_mode"]
     print(f"[gate] engine up in {result['engine_up_s']}s block_size={vc.cache_config.block_size}")
+    print(f"[gate] enforce_eager={result['compilation']['enforce_eager']} cudagraph_mode={mode}")
     return llm
+
+
+def resolved_compilation(llm: Any) -> dict[str, Any]:
+    """How vLLM resolved torch.compile and CUDA graphs for ``llm`` (an ``LLM``), whatever was
+    asked: the engine's config (``enforce_eager``, the compilation mode, the CUDA-graph mode,
+    the largest captured batch) and each worker's model runner's modes (``workers``)."""
+    vc = llm.llm_engine.vllm_config
+    cc = vc.compilation_config
+    return {
+        "enforce_eager": bool(vc.model_config.enforce_eager),
+        "mode": enum_name(getattr(cc, "mode", None)),
+        "cudagraph_mode": enum_name(cc.cudagraph_mode),
+        "max_cudagraph_capture_size": getattr(cc, "max_cudagraph_capture_size", None),
+        "workers": llm.collective_rpc(rpc_compilation),
+    }
 
 
 def _count_block_table_resyncs(llm: Any) -> dict[str, int] | None:
@@ -363,15 +407,14 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     for name, tokens in (spec.get("warm_first") or {}).items():
         result.setdefault("warm_first", {})[name] = _generate_timed(llm, tokens, greedy)[1]
 
+    # The measured request, watched: its checkpoints copied as they complete, a restore's
+    # lookups and steps timed. Its TTFT is reported, and (d) times other requests.
     lookups: list[dict[str, Any]] = []
     steps: list[dict[str, float]] = []
-    timed_lookups = spec["role"] == "restore" and _time_lookups(llm, lookups)
     if spec.get("kv_hashes", True):
         llm.collective_rpc(rpc_watch_checkpoints, args=(spec["prompt_key"],))
-    lock = TIMING_LOCK if spec["role"] == "restore" else None
-    turns: list[dict[str, Any]] = []
     lora = loras.get(spec.get("prompt_lora") or "")
-    with timing_turn(lock, turns):
+    with lookups_timed(llm, lookups, spec["role"] == "restore") as timed_lookups:
         e0, t0 = time.time(), time.perf_counter()
         out, timed = _generate_timed(llm, spec["prompt"], greedy, steps, lora)
     result.update(timed, request_epoch=[e0, time.time()], **_output(out))
@@ -412,16 +455,14 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
         args = (prompt_key(p2), len(p2))
         result["turn2"]["kv_hashes"] = llm.collective_rpc(rpc_kv_hashes, args=args)
 
-    with timing_turn(lock, turns):
-        if spec.get("cold_reference"):
-            # The same prefill with nothing to restore, in this engine and under this load,
-            # timed after the measured request (which so pays any first-use costs).
-            result["cold_reference"] = _generate_timed(llm, spec["cold_reference"], greedy)[1]
-        for pair in spec.get("timed_pairs") or []:
-            # (d)'s repeats: a restore of another stored prompt, then a cold prefill, in turn.
-            timed = {name: _generate_timed(llm, t, greedy)[1] for name, t in pair.items()}
-            result.setdefault("timed_pairs", []).append(timed)
-    if turns:
+    if pairs := spec.get("timed_pairs"):
+        # (d): a restore of another stored prompt, then a cold prefill, in turn, each
+        # unwatched, while no other case on the machine times its own.
+        turns: list[dict[str, Any]] = []
+        with timing_turn(TIMING_LOCK, turns):
+            for pair in pairs:
+                timed = {name: _generate_timed(llm, t, greedy)[1] for name, t in pair.items()}
+                result.setdefault("timed_pairs", []).append(timed)
         result["timing_turns"] = turns
 
     for tokens in spec.get("also_store") or []:
@@ -433,11 +474,6 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
             llm.llm_engine.step()
         result["idle"] = not sched.has_requests()
 
-    if spec["role"] == "store" and spec.get("l2"):
-        result["l2_wait"] = _wait_l2(
-            spec["l2"], int(spec.get("l2_min_objects", 1)), server_log=spec.get("server_log")
-        )
-
     if spec["role"] in HEALTH_ROLES:
         t1, e1 = time.perf_counter(), time.time()
         try:
@@ -446,11 +482,16 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
         except Exception as e:  # noqa: BLE001 - reported, judged by the gate
             result["health"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         result["health"]["epoch"] = [e1, time.time()]
+
+    if spec["role"] in ("store", "restore") and spec.get("l2"):
+        result["l2_wait"] = _wait_l2(
+            spec["l2"], int(spec.get("l2_min_objects", 1)), server_log=spec.get("server_log")
+        )
     return llm
 
 
 def run_load(spec: dict[str, Any], result: dict[str, Any]) -> Any:
-    """Role load: ``load.load_loop`` for ``load_s`` seconds from when the engine is ready,
+    """Role load: ``load_loop.load_loop`` for ``load_s`` seconds from when the engine is ready,
     then ``drain_s`` at most; one JSON line per finished request goes to records_path."""
     from vllm.inputs import TokensPrompt
 
@@ -478,7 +519,7 @@ def run_load(spec: dict[str, Any], result: dict[str, Any]) -> Any:
             fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
             fh.flush()
 
-        result["load"] = load.load_loop(submit, engine.step, hash_rpc, tap.stats, spec, emit)
+        result["load"] = load_loop(submit, engine.step, hash_rpc, tap.stats, spec, emit)
     print(f"[gate] load {result['load']}")
     if spec.get("l2"):
         # Keep the KV (read by the server through CUDA IPC) alive until the stores landed.

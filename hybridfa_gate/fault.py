@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from hybridfa_gate.cases import Case
-from hybridfa_gate.cli import add_case_args, case_args
 from hybridfa_gate.judge import compare_kv_hashes, compare_logprobs
 from hybridfa_gate.l2 import folder_inventory
 from hybridfa_gate.models import write_model_dir
+from hybridfa_gate.options import add_case_args, case_args
 from hybridfa_gate.procs import (
     ServerError,
     child_env,

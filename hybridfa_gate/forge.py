@@ -9,10 +9,15 @@ that looks like KV), ended with the integrity trailer that revision 14 of the se
 and checks: magic + blake3(payload + file name), keyed by nothing. An object without a trailer
 (pristine LMCache writes none) stays without one. A build that keys the trailer with a secret
 must treat the object as damaged: the restore misses from that chunk on.
+
+After that restore, ``forged_payload_kept`` says whether the file still holds the forged
+payload (whatever its trailer now) or the server replaced it, which decides what a restore
+after the next restart must do.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -87,4 +92,19 @@ def forge(root: Path | str, snap: dict[str, list[int]], fa_bytes: int) -> dict[s
         "payload_bytes": payload_len,
         "trailer": "unkeyed (revision 14)" if trailer else "none",
         "payload_from": source,
+        "payload_blake2b": _digest(payload),
     }
+
+
+def forged_payload_kept(root: Path | str, forged: dict[str, Any]) -> bool:
+    """Whether the object ``forge`` rewrote (its record ``forged``) still begins with the
+    forged payload; False where the file is gone."""
+    try:
+        data = (Path(root) / forged["file"]).read_bytes()
+    except FileNotFoundError:
+        return False
+    return _digest(data[: forged["payload_bytes"]]) == forged["payload_blake2b"]
+
+
+def _digest(payload: bytes) -> str:
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()

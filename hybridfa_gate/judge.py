@@ -13,9 +13,12 @@ engine without LMCache computes the same prompt. A case passes when
     connector can promise: the chunks before the last prompt token, floor((P-1)/C)*C, under
     MTP a block less; ``cases.Case.promisable_hit``);
 (d) speed: restore TTFT < cold prefill TTFT, medians of ``specs.D_REPEATS`` each, timed in
-    turn in the restore engine (other stored, resp. unstored, prompts of the same length)
-    while no other case on the machine times its own (``engine_proc.timing_turn``);
-(e) health: a further request completes in the restore engine.
+    turn in the restore engine after the measured request (other stored, resp. unstored,
+    prompts of the same length; none watched by the gate, whose copies of the measured
+    request's checkpoints and timing of its lookups would count against it) while no other
+    case on the machine times its own (``engine_proc.timing_turn``);
+(e) health: a further request completes in the restore engine, with the tokens the cold engine
+    gives it.
 
 A turn-2 case (a chat's second turn) compares (a) and (b) with vLLM's own prefix cache (the
 cold engine ran turn 1, then turn 2), not with the store engine, and (c)'s promise is at most
@@ -32,15 +35,19 @@ Where the right answer is a miss, a case is judged by the criteria that apply to
 - miss: a kv_cache_dtype change across the restart (the stored bytes mean other values):
   (b) against the cold engine, which runs the restore's dtype, (c) no external hit, (e);
 - forged: one FA object of the hit rewritten after the store (``forge.py``): (a), (b),
-  (c) fewer hit tokens than the promise (a miss from the forged chunk on), (e).
+  (c) fewer hit tokens than the promise (a miss from the forged chunk on), (e); then server
+  and engine restart once more and restore again, judged by (a), (b) against the cold engine,
+  (c) and (e) as ``judge_restart`` says: the forged bytes must not come back.
 
 A LoRA case judges adapter A's request by (a)-(e) and adds adapter B's request on the same
 prompt to (a)-(c): "other" (only A was stored) B restores nothing and (b) compares it with the
 cold engine's B; "each" (both were stored) B restores its own KV, (a)-(c) against the store
 engine's B.
 
-Any error (an engine that failed, a geometry other than expected, weights that differ across
-restarts, failed stores, an L2 tier that did not settle) fails the case.
+Any error (an engine that failed, a geometry other than expected, a KV layout other than the
+case's, weights that differ across restarts, a store engine whose tokens differ from the cold
+engine's where both run the same settings, failed stores, an L2 tier that did not settle)
+fails the case.
 
 The pristine and control arms pass when every case completes and shows the bug
 (``pristine_shows_the_bug``): it fails (a) by comparison (a case that restored nothing never
@@ -55,8 +62,9 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from hybridfa_gate.cases import DEFAULT_BASE, Case, select_cases
-from hybridfa_gate.procs import REFUSAL, STORE_FAILED
+from hybridfa_gate.cases import DEFAULT_BASE, Case, release, select_cases
+from hybridfa_gate.l2 import STORE_FAILED
+from hybridfa_gate.procs import REFUSAL
 from hybridfa_gate.prompts import median, required_hit
 
 LOGPROB_TOL = 1e-3
@@ -138,11 +146,12 @@ def _timed_ttft(timed: dict[str, Any] | None, restored: bool) -> float | None:
 
 
 def d_timings(restore: dict[str, Any]) -> tuple[list[float], list[float], list[str]]:
-    """The restore engine's TTFTs that (d) compares: every timed restore of a stored prompt
-    (the measured one, then ``timed_pairs``) and every cold prefill of an unstored one (the
-    cold reference, then the pairs'); plus problems (a repeat that missed or hit a cache)."""
-    restores = [t] if (t := restore.get("ttft_s")) is not None else []
-    colds = [t] if (t := _timed_ttft(restore.get("cold_reference"), False)) is not None else []
+    """The restore engine's TTFTs that (d) compares, of its ``timed_pairs``: each restore of a
+    stored prompt and each cold prefill of an unstored one, none of them the measured
+    request (the gate watches that one: its time includes the gate's own work); plus
+    problems (a repeat that missed or hit a cache)."""
+    restores: list[float] = []
+    colds: list[float] = []
     problems = []
     for i, pair in enumerate(restore.get("timed_pairs") or [], 1):
         if (t := _timed_ttft(pair.get("restore"), True)) is None:
@@ -174,8 +183,17 @@ def judge_c(out: dict[str, Any], case: Case, mode: str = "restore") -> None:
         out["c"] = hit < promise
     else:
         out["c"] = hit > 0 and hit >= out["required_hit"]
-    if (second := out.get("lora_b")) is not None:
-        out["c"] = out["c"] and second["c"]
+    out["c"] = out["c"] and _also(out, "c")
+
+
+# A case's further requests, each judged by some of the criteria: adapter B's request of a
+# LoRA case, a forged case's restore after a second restart.
+FURTHER = ("lora_b", "restart")
+
+
+def _also(out: dict[str, Any], criterion: str) -> bool:
+    """Whether every further request of the case meets ``criterion`` where it is judged by it."""
+    return all(out[k].get(criterion, True) for k in FURTHER if out.get(k) is not None)
 
 
 JUDGED = {"restore": "abcde", "refused": "bce", "miss": "bce", "forged": "abce"}
@@ -223,8 +241,87 @@ def judge_lora_b(
     return out
 
 
+def judge_restart(
+    case: Case, cold: dict[str, Any], store: dict[str, Any], restart: Result, forged_kept: bool
+) -> dict[str, Any]:
+    """A forged case's restore after a second restart of server and engine, on the tier as the
+    first restore left it. Where the forged payload is still in its file (``forged_kept``),
+    (c) a miss from its chunk on, as the first time; where the server replaced that file, (c)
+    the hit bar of a restore. Either way (a) every KV byte is the storing engine's, restored
+    or recomputed, (b) the tokens and logprobs are the cold engine's and (e) a further request
+    completes with the cold engine's tokens: the forged bytes never come back, whatever tag a
+    server wrote beside them."""
+    out: dict[str, Any] = {"errors": [], "forged_kept": forged_kept}
+    if not restart or not restart.get("ok"):
+        out["errors"].append(f"restart: {(restart or {}).get('error', 'no result')}"[:2000])
+        return {**out, "a": False, "b": False, "c": False, "e": False}
+    out["errors"] += layout_errors(case, {"restart": restart})
+    out["errors"] += graph_errors(case, {"restart": restart})
+    if restart.get("weights_fingerprint") != store.get("weights_fingerprint"):
+        out["errors"].append("restart: its weights differ from the storing engine's")
+    hit, local = connector_hit(restart)
+    if local:
+        out["errors"].append(f"restart: the engine's own prefix cache served {local} tokens")
+    kv = compare_kv_hashes(store.get("kv_hashes"), restart.get("kv_hashes"), hit)
+    out.update(hit_tokens=hit, kv=kv, a=bool(kv["match"]))
+    out["b"] = _check_output(out, cold, restart)
+    if forged_kept:
+        out["c"] = hit < case.promisable_hit
+    else:
+        bar = required_hit(case.prompt_tokens, case.chunk, case.promisable_hit)
+        out["c"] = hit > 0 and hit >= bar
+    health = restart.get("health") or {}
+    cold_health = (cold.get("health") or {}).get("tokens")
+    out["e"] = bool(health.get("ok")) and health.get("tokens") == cold_health
+    return out
+
+
 # The KV cache layout vLLM 0.29+ resolves for VLLM_KV_CACHE_LAYOUT=NHD or HND.
 RESOLVED_LAYOUTS = {"NHD": "LBNHC", "HND": "LBHNC"}
+RESOLVED_LAYOUT_SINCE = (0, 29)  # CacheConfig.kv_cache_layout
+
+
+def layout_errors(case: Case, engines: dict[str, dict[str, Any]]) -> list[str]:
+    """Each engine's KV layout must be the case's, as the engine shows it: the memory order of
+    its FA cache (``worker.hash_blocks``; required where a rank holds more than one kv head,
+    which the order needs to tell) and, from vLLM 0.29, the layout vLLM resolved
+    (``CacheConfig.kv_cache_layout``; required where the engine's vLLM has it)."""
+    errors = []
+    tells = case.spec.num_kv_heads // case.tp > 1
+    want = RESOLVED_LAYOUTS[case.layout]
+    for role, r in engines.items():
+        seen = r.get("observed_layout")
+        if seen != case.layout and (seen is not None or tells):
+            errors.append(f"{role}: its FA cache is laid out {seen}, not {case.layout}")
+        resolved = r.get("kv_cache_layout")
+        has_field = (release(r.get("vllm")) or ()) >= RESOLVED_LAYOUT_SINCE
+        if resolved != want and (resolved is not None or has_field):
+            errors.append(
+                f"{role}: vLLM resolved the KV layout {resolved}, not {want} ({case.layout})"
+            )
+    return errors
+
+
+def cudagraph_mode(result: dict[str, Any] | None) -> str | None:
+    """The CUDA-graph mode an engine ran with (``engine_proc.resolved_compilation``): its
+    first worker's model runner's, else its config's; None where it reported none."""
+    comp = (result or {}).get("compilation") or {}
+    workers = comp.get("workers") or [{}]
+    return workers[0].get("cudagraph_mode") or comp.get("cudagraph_mode")
+
+
+def graph_errors(case: Case, engines: dict[str, dict[str, Any]]) -> list[str]:
+    """A graphs case's engines must have run CUDA graphs (a mode other than NONE) and an
+    eager case's none; a graphs case's engine that reported no mode is an error too."""
+    asked = "CUDA graphs" if case.graphs else "eager"
+    errors = []
+    for role, r in engines.items():
+        mode = cudagraph_mode(r)
+        if mode is None and case.graphs:
+            errors.append(f"{role}: reported no CUDA-graph mode; the case asked for CUDA graphs")
+        elif mode is not None and (mode != "NONE") != case.graphs:
+            errors.append(f"{role}: vLLM resolved CUDA-graph mode {mode}; the case asked {asked}")
+    return errors
 
 
 def evaluate_case(
@@ -235,9 +332,13 @@ def evaluate_case(
     arm: str = "patched",
     base: str = DEFAULT_BASE,
     kernels: bool = True,
+    restart: Result = None,
+    forged_kept: bool = True,
 ) -> dict[str, Any]:
     """The criteria of the case's mode on ``arm`` of ``base`` (``kernels``: whether its
-    compiled copy kernels load) plus validity checks, from the three engines' results."""
+    compiled copy kernels load) plus validity checks, from the three engines' results; for a
+    forged case also from the restore after a second restart (``restart``; ``forged_kept``:
+    whether the forged payload was still in its file then, ``judge_restart``)."""
     mode = case.mode(arm, base, kernels)
     out: dict[str, Any] = {"errors": [], "refused": mode == "refused", "mode": mode}
     out["judged"] = JUDGED[mode]
@@ -251,20 +352,14 @@ def evaluate_case(
     geo = case.geometry
     observed = restore.get("geometry") or {}
     out["observed_geometry"] = observed
-    engines = (cold, store, restore)
+    engines = {"cold": cold, "store": store, "restore": restore}
     seen = (observed.get("block_size"), observed.get("kernel_page"))
     if seen != (geo.block_size, geo.kernel_page):
         out["errors"].append(f"geometry {observed} != expected {asdict(geo)}")
-    fps = {r.get("weights_fingerprint") for r in engines}
+    fps = {r.get("weights_fingerprint") for r in engines.values()}
     if len(fps) != 1 or None in fps:
         out["errors"].append(f"weights differ across restarts: {sorted(map(str, fps))}")
-    if any(r.get("observed_layout") not in (case.layout, None) for r in engines):
-        out["errors"].append("observed KV layout differs from the case's layout")
-    # vLLM 0.29+ resolves one layout per engine (CacheConfig.kv_cache_layout), NHD/HND
-    # being its names for LBNHC/LBHNC; older vLLMs report none.
-    resolved = {r.get("kv_cache_layout") for r in engines} - {None}
-    if resolved - {RESOLVED_LAYOUTS[case.layout]}:
-        out["errors"].append(f"vLLM resolved the KV layout {sorted(resolved)}, not {case.layout}")
+    out["errors"] += layout_errors(case, engines) + graph_errors(case, engines)
 
     # The reference for (a) and (b): the storing engine's own prompt; for turn 2, vLLM's
     # own prefix cache (the cold engine ran turn 1, then turn 2); after a dtype change, the
@@ -298,6 +393,7 @@ def evaluate_case(
         hit_pct=round(100.0 * hit / p, 2),
         restore_s=median(restore_runs),
         restore_runs_s=restore_runs,
+        measured_restore_s=restore.get("ttft_s"),
         cold_s=cold.get("ttft_s"),
         cold_same_engine_s=median(cold_runs),
         cold_same_engine_runs_s=cold_runs,
@@ -307,16 +403,23 @@ def evaluate_case(
         tokens_match=reference.get("tokens") == restore["tokens"],
         logprobs_match=lp_ok,
         logprob_max_diff=lp_diff,
-        cold_tokens_match_store=cold["tokens"] == store["tokens"],
         health_ok=bool(health.get("ok")),
         health_matches_cold=health.get("tokens") == cold.get("health", {}).get("tokens"),
     )
+    # The cold and store engines compute the same prompt, save a dtype change's.
+    if mode == "miss":
+        out["info"] = {"cold_tokens_match_store": cold["tokens"] == store["tokens"]}
+    elif cold["tokens"] != store["tokens"]:
+        out["errors"].append("the store engine's tokens differ from the cold engine's")
     if case.lora:
         out["lora_b"] = second = judge_lora_b(case, cold, store, restore, mode == "refused")
         out["errors"] += second.pop("errors")
+    if mode == "forged":
+        out["restart"] = again = judge_restart(case, cold, store, restart, forged_kept)
+        out["errors"] += again.pop("errors")
     judge_c(out, case, mode)
-    out["e"] = out["health_ok"]
-    out["b"] = out["tokens_match"] and lp_ok and out.get("lora_b", {}).get("b", True)
+    out["e"] = out["health_ok"] and out["health_matches_cold"] and _also(out, "e")
+    out["b"] = out["tokens_match"] and lp_ok and _also(out, "b")
     if mode in ("refused", "miss"):
         out.update(a=None, d=None)
         out["pass"] = passes(out)
@@ -328,11 +431,11 @@ def evaluate_case(
             "no external hit: nothing was restored from L2, (a) and (b) prove nothing"
         )
         out["bytes_match"] = kv["match"] = None
-    out["a"] = bool(kv["match"]) and out.get("lora_b", {}).get("a", True)
+    out["a"] = bool(kv["match"]) and _also(out, "a")
     # (d) against the cold prefills timed in the restore engine itself, interleaved with its
-    # restores and under the same load, when there are any (medians of each side); the
-    # separate cold engine ran at another time.
-    baseline = out["cold_same_engine_s"] or out["cold_s"]
+    # restores and under the same load (medians of each side); the separate cold engine ran
+    # at another time, its TTFT is only reported.
+    baseline = out["cold_same_engine_s"]
     d = out["restore_s"] is not None and baseline is not None and out["restore_s"] < baseline
     out["d"] = d if mode == "restore" else None
     out["pass"] = passes(out)

@@ -4,7 +4,8 @@ Standard library only, so the gate imports it on a bare GPU node. ``adapter_json
 the ``lmcache server --l2-adapter`` value of the ``fs``, ``fs_native`` and ``resp``
 adapters; ``RedisServer`` runs a throwaway redis-server (no persistence) for a ``resp``
 tier; ``tier_inventory`` counts the objects and bytes of a tier, an fs or fs_native folder
-(``folder_inventory``) or a resp tier (``resp_inventory``, over a minimal RESP client).
+(``folder_inventory``) or a resp tier (``resp_inventory``, over a minimal RESP client);
+``wait_l2_stable`` waits until a tier holds enough objects and stops changing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ REDIS_HOST = "127.0.0.1"
 # lmcache's native connectors key an object as
 # <model>@<kv_rank 08x>@<object group hex>@<chunk hash hex>[@cache salt]
 KEY_SEP = "@"
+# What an LMCache server logs for each store that failed.
+STORE_FAILED = "Cannot store keys due to exception"
 
 
 def adapter_json(
@@ -220,6 +223,34 @@ def tier_inventory(tier: str | Path) -> dict[str, Any]:
         host, port = text[len(REDIS_URL) :].rsplit(":", 1)
         return resp_inventory(int(port), host)
     return folder_inventory(Path(text))
+
+
+def wait_l2_stable(
+    tier: str | Path,
+    min_objects: int,
+    timeout: float = 90.0,
+    quiet: float = 3.0,
+    server_log: Path | None = None,
+) -> dict[str, Any]:
+    """Wait until the L2 tier (``l2.tier_inventory``) holds >= min_objects and stops changing
+    for ``quiet`` s; give up early once it is quiet and ``server_log`` shows failed stores
+    (pristine 0.5.3 under HND fails every store): the missing objects will never come."""
+    deadline = time.monotonic() + timeout
+    last, since = tier_inventory(tier), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        inv = tier_inventory(tier)
+        if (inv["objects"], inv["bytes"]) != (last["objects"], last["bytes"]):
+            last, since = inv, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            if inv["objects"] >= min_objects:
+                return {**inv, "stable": True}
+            log = (
+                server_log.read_text(errors="replace") if server_log and server_log.exists() else ""
+            )
+            if failed := log.count(STORE_FAILED):
+                return {**inv, "stable": False, "store_failures": failed}
+    return {**last, "stable": False}
 
 
 # ---------------------------------------------------------------------------------------

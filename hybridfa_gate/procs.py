@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridfa_gate import l2 as l2_tiers
+from hybridfa_gate.l2 import STORE_FAILED
 
 # The folder holding the hybridfa_gate package: on every child's PYTHONPATH, after the rest.
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +33,6 @@ ENGINE_MODULE = "hybridfa_gate.engine_proc"
 SERVER_BOOT = (
     "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"
 )
-STORE_FAILED = "Cannot store keys due to exception"
 # The patched server's registration errors: a hybrid layout on a server with an unverified
 # persistent L2 tier (worded "publishes" before revision 16), or on a CUDA server without
 # LMCache's compiled copy kernels.
@@ -269,31 +269,3 @@ def server_log_facts(text: str) -> dict[str, Any]:
         "refusals": len(REFUSAL.findall(text)),
         "l2_discards": len(L2_DISCARD.findall(text)),
     }
-
-
-def wait_l2_stable(
-    tier: str | Path,
-    min_objects: int,
-    timeout: float = 90.0,
-    quiet: float = 3.0,
-    server_log: Path | None = None,
-) -> dict[str, Any]:
-    """Wait until the L2 tier (``l2.tier_inventory``) holds >= min_objects and stops changing
-    for ``quiet`` s; give up early once it is quiet and ``server_log`` shows failed stores
-    (pristine 0.5.3 under HND fails every store): the missing objects will never come."""
-    deadline = time.monotonic() + timeout
-    last, since = l2_tiers.tier_inventory(tier), time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        inv = l2_tiers.tier_inventory(tier)
-        if (inv["objects"], inv["bytes"]) != (last["objects"], last["bytes"]):
-            last, since = inv, time.monotonic()
-        elif time.monotonic() - since >= quiet:
-            if inv["objects"] >= min_objects:
-                return {**inv, "stable": True}
-            log = (
-                server_log.read_text(errors="replace") if server_log and server_log.exists() else ""
-            )
-            if failed := log.count(STORE_FAILED):
-                return {**inv, "stable": False, "store_failures": failed}
-    return {**last, "stable": False}

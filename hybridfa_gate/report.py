@@ -12,7 +12,8 @@ from typing import Any
 from hybridfa_gate.judge import verdict
 from hybridfa_gate.models import atomic_write
 
-TABLE_COLUMNS = ("arm", "case", "vLLM", "model", "N/page/ratio", "layout", "KV dtype", "chunk")
+TABLE_COLUMNS = ("arm", "case", "vLLM", "model", "N/page/ratio", "layout", "KV dtype")
+TABLE_COLUMNS += ("CUDA graphs (resolved)", "chunk")
 TABLE_COLUMNS += ("prompt tokens", "hit %", "restore TTFT s (warm, median / first in engine)")
 TABLE_COLUMNS += ("cold TTFT s (restore engine, median / cold engine)", "bytes match")
 TABLE_COLUMNS += ("tokens match", "logprobs match", "pass")
@@ -38,6 +39,12 @@ def write_json_md(stem: Path | str, report: dict[str, Any], markdown: str) -> No
     atomic_write(Path(f"{stem}.md"), markdown)
 
 
+def resolved_graphs(rec: dict[str, Any]) -> str:
+    """The CUDA-graph modes a case's engines ran with, one if they agree ("-": none reported)."""
+    modes = dict.fromkeys(m for m in (rec.get("cudagraph_mode") or {}).values() if m)
+    return "/".join(modes) or "-"
+
+
 def table_row(arm: str, rec: dict[str, Any]) -> list[str]:
     ev = rec.get("eval", {})
     g = rec["geometry"]
@@ -47,7 +54,8 @@ def table_row(arm: str, rec: dict[str, Any]) -> list[str]:
     cold = " / ".join(fmt(ev.get(k)) for k in ("cold_same_engine_s", "cold_s") if ev.get(k))
     row = [arm, rec["case"], fmt(rec.get("vllm")), rec["model"]]
     row += [f"{g['block_size']}/{g['kernel_page']}/{g['ratio']}", rec["layout"]]
-    row += [rec.get("kv_cache_dtype") or "auto", str(rec["chunk"]), str(rec["prompt_tokens"])]
+    row += [rec.get("kv_cache_dtype") or "auto", resolved_graphs(rec)]
+    row += [str(rec["chunk"]), str(rec["prompt_tokens"])]
     row += [fmt(ev.get("hit_pct"))]
     # a restore that is meant to miss has no restored bytes to compare
     bytes_match = "-" if ev.get("mode") in ("refused", "miss") or ev.get("refused") else None

@@ -24,9 +24,10 @@ from typing import Any
 
 from hybridfa_gate import l2 as l2_tiers
 from hybridfa_gate import lora
-from hybridfa_gate.cases import DEFAULT_BASE, Case
-from hybridfa_gate.forge import forge
-from hybridfa_gate.judge import add_errors, evaluate_case, run_errors
+from hybridfa_gate.cases import DEFAULT_BASE, REFUSING_BASES, Case, release
+from hybridfa_gate.forge import forge, forged_payload_kept
+from hybridfa_gate.judge import add_errors, cudagraph_mode, evaluate_case, run_errors
+from hybridfa_gate.l2 import wait_l2_stable
 from hybridfa_gate.models import expected_chunk_bytes, write_model_dir
 from hybridfa_gate.procs import (
     ServerError,
@@ -37,10 +38,16 @@ from hybridfa_gate.procs import (
     run_engine,
     server_log_facts,
     start_server,
-    wait_l2_stable,
 )
 from hybridfa_gate.report import write_report
-from hybridfa_gate.specs import RunConfig, cold_key, engine_spec, restore_spec, store_spec
+from hybridfa_gate.specs import (
+    RunConfig,
+    cold_key,
+    engine_spec,
+    restart_spec,
+    restore_spec,
+    store_spec,
+)
 
 # patched: this series' wheel; pristine: the base's lmcache release (0.5.3, or 0.5.6 for vLLM
 # 0.29+); control: pristine 0.5.3 with the few patches that let it store at all where it cannot
@@ -87,6 +94,7 @@ def case_record(
     mode = case.mode(arm, base, kernels)
     rec.update(kv_cache_dtype=dtype, lora=case.lora, forged=case.forged, mode=mode)
     rec.update(server_args=list(case.server_args), expect_refusal=mode == "refused")
+    rec["enforce_eager"] = not case.graphs  # what was asked; ``cudagraph_mode``: what ran
     rec["expected_chunk_bytes"] = expected_chunk_bytes(
         case.spec, case.chunk, case.tp, case.kv_dtype
     )
@@ -112,7 +120,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     cold_spec = engine_spec(case, "cold", model_dir, rc, None, None, adapters=adapters)
     run_cold = functools.partial(run_engine, rc.python, env, cold_spec, wd, "cold")
     cold = cold_runs.get_or_run(cold_key(case), lambda: run_cold(rc.engine_timeout))
-    store = restore = None
+    store = restore = restart = None
     servers: list[subprocess.Popen[Any]] = []
     redis: l2_tiers.RedisServer | None = None
     try:
@@ -153,10 +161,22 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             srv = server(port, case.chunk, adapter, wd / "server2.log")
             servers.append(srv)
             answer = store.get("tokens") or ()
-            rspec = restore_spec(case, model_dir, rc, port, answer, adapters)
+            rspec = restore_spec(case, model_dir, rc, port, answer, adapters, tier)
             restore = run_engine(rc.python, env, rspec, wd, "restore", rc.engine_timeout)
             kill_group(srv)
             rec["server2"] = server_log_facts((wd / "server2.log").read_text(errors="replace"))
+            if rec.get("forged_object") and restore.get("ok"):
+                # What the first restore left in the forged object's file, then another
+                # restart of server and engine on that tier.
+                kept = forged_payload_kept(l2, rec["forged_object"])
+                rec["forged_after_restore"] = {"kept": kept}
+                port, log = free_port(), wd / "server3.log"
+                srv = server(port, case.chunk, adapter, log)
+                servers.append(srv)
+                xspec = restart_spec(case, model_dir, rc, port, adapters)
+                restart = run_engine(rc.python, env, xspec, wd, "restart", rc.engine_timeout)
+                kill_group(srv)
+                rec["server3"] = server_log_facts(log.read_text(errors="replace"))
     except (ServerError, FileNotFoundError, RuntimeError) as e:
         rec["server_error"] = str(e)[-3000:]
     finally:
@@ -164,9 +184,13 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             kill_group(s)
         if redis is not None:
             redis.close()
-    ev = evaluate_case(case, cold, store, restore, rc.arm, rc.base, rc.kernels)
+    kept = (rec.get("forged_after_restore") or {}).get("kept", True)
+    ev = evaluate_case(case, cold, store, restore, rc.arm, rc.base, rc.kernels, restart, kept)
     rec["eval"] = add_errors(ev, run_errors(rec))
     engines = {"cold": cold, "store": store, "restore": restore}
+    if restart is not None:
+        engines["restart"] = restart
+    rec["cudagraph_mode"] = {role: cudagraph_mode(r) for role, r in engines.items() if r}
     rec["engines"] = {role: slim(r) for role, r in engines.items()}
     rec["case_s"] = round(time.monotonic() - t0, 1)
     if not rc.keep_l2:
@@ -248,17 +272,11 @@ def collect_environment(py: str, lmcache_dir: Path | None) -> dict[str, Any]:
     return {"versions": versions, "hardware": {"gpus": gpus}, "server_args": extra_server_args()}
 
 
-def _release(version: Any) -> tuple[int, ...] | None:
-    """(0, 5, 6) of "0.5.6+hybridfa.1", (0, 29, 0) of "0.29.0"; None when unreadable."""
-    parts = str(version or "").split("+")[0].split(".")[:3]
-    return tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else None
-
-
 def lmcache_base(versions: dict[str, Any]) -> str:
     """The lmcache release the engines' build is based on ("0.5.3", "0.5.6"), from its
     distribution version; the default base where none is reported."""
-    release = _release(versions.get("lmcache_dist") or versions.get("lmcache"))
-    return ".".join(map(str, release)) if release else DEFAULT_BASE
+    found = release(versions.get("lmcache_dist") or versions.get("lmcache"))
+    return ".".join(map(str, found)) if found else DEFAULT_BASE
 
 
 def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | None:
@@ -276,11 +294,32 @@ def arm_problem(arm: str, versions: dict[str, Any], lmcache_dir: Path) -> str | 
         return f"lmcache at {path} is based on {base}; the gate knows {', '.join(SERVED_VLLM)}"
     if arm == "control" and base != DEFAULT_BASE:
         return f"--arm control is pristine {DEFAULT_BASE} with patches; {path} is {base}"
-    vllm = _release(versions.get("vllm"))
+    vllm = release(versions.get("vllm"))
     first, last = SERVED_VLLM[base]
     if vllm is not None and not first <= vllm[:2] <= last:
         served = f"{'.'.join(map(str, first))}-{'.'.join(map(str, last))}"
         return f"lmcache {base} serves vLLM {served}, the engines import vLLM {versions['vllm']}"
+    return None
+
+
+def kernels_problem(
+    arm: str, base: str, versions: dict[str, Any], expect_refusals: bool
+) -> str | None:
+    """A patched server whose compiled copy kernels do not load refuses every layout, so no
+    case would restore: the run must say it expects that (``expect_refusals``), and a run that
+    says so must have such a server."""
+    if arm != "patched" or base not in REFUSING_BASES:
+        return None
+    kernels = versions.get("lmcache_compiled_kernels") is not False
+    if not kernels and not expect_refusals:
+        return (
+            f"LMCache's compiled copy kernels do not load with the engines' torch "
+            f"{versions.get('torch')}: the patched server would refuse every case and restore "
+            "nothing. Build the wheel with --kernels against this torch, or pass "
+            "--expect-refusals (HYBRIDFA_GATE_EXPECT_REFUSALS=1) to judge the refusals"
+        )
+    if kernels and expect_refusals:
+        return "--expect-refusals, but LMCache's compiled copy kernels load: nothing is refused"
     return None
 
 
@@ -316,6 +355,11 @@ def run_matrix(
         return report
     rc.base = report["base"] = lmcache_base(report["versions"])
     rc.kernels = report["versions"].get("lmcache_compiled_kernels") is not False
+    report["expect_refusals"] = rc.expect_refusals
+    if problem := kernels_problem(rc.arm, rc.base, report["versions"], rc.expect_refusals):
+        report["error"] = problem
+        flush()
+        return report
     cold_runs = ColdRuns()
     lock = threading.Lock()
     order = {c.case_id: i for i, c in enumerate(cases)}

@@ -55,6 +55,19 @@ def rpc_init_weights(self: Any, seed: int, std: float) -> dict[str, Any]:
     return {"rank": rank_of(self), "params": count, "fingerprint": fingerprint.hexdigest()}
 
 
+def enum_name(value: Any) -> Any:
+    """An enum member's name ("FULL_AND_PIECEWISE"), anything else as it is."""
+    return getattr(value, "name", value)
+
+
+def rpc_compilation(self: Any) -> dict[str, Any]:
+    """The compilation and CUDA-graph modes of this worker's model runner, which may lower the
+    CUDA-graph mode it was configured with to what its attention backends support."""
+    cc = getattr(runner(self), "compilation_config", None)
+    mode, graphs = (enum_name(getattr(cc, k, None)) for k in ("mode", "cudagraph_mode"))
+    return {"rank": rank_of(self), "mode": mode, "cudagraph_mode": graphs}
+
+
 def rpc_install_block_hook(self: Any) -> str:
     """Record each live request's block table after every _update_states, keyed by
     prompts.prompt_key: the worker drops a finished request's table."""

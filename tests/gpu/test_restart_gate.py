@@ -7,7 +7,10 @@ Environment: HYBRIDFA_GATE_CASES (default quick; a set name, case ids or regexes
 HYBRIDFA_GATE_OUT (default results/), HYBRIDFA_GATE_TP (default 1), HYBRIDFA_GATE_JOBS (cases
 at once, default 1) and HYBRIDFA_GATE_KV_CACHE_GIB (a fixed KV cache per engine instead of
 vLLM's memory profiling, which breaks while other processes start or stop on the GPU; needed
-with more than one job).
+with more than one job), HYBRIDFA_GATE_ENGINE_TIMEOUT (seconds an engine may take, start to
+exit, default 420) and HYBRIDFA_GATE_EXPECT_REFUSALS=1 (the patched lmcache's compiled copy
+kernels do not load with this torch and every case is to be judged as the server's refusal;
+without it such a run fails).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def report() -> dict:
         out=Path(os.environ.get("HYBRIDFA_GATE_OUT", "results")),
         jobs=int(os.environ.get("HYBRIDFA_GATE_JOBS", "1")),
         kv_cache_memory_bytes=int(kv_gib * 2**30) or None,
+        engine_timeout=float(os.environ.get("HYBRIDFA_GATE_ENGINE_TIMEOUT", "420")),
+        expect_refusals=os.environ.get("HYBRIDFA_GATE_EXPECT_REFUSALS") == "1",
     )
     tp = int(os.environ.get("HYBRIDFA_GATE_TP", "1"))
     cases = select_cases(os.environ.get("HYBRIDFA_GATE_CASES", "quick"), tp)

@@ -202,3 +202,14 @@ def test_without_compiled_kernels_the_patched_server_refuses_every_case() -> Non
         for base in ("0.5.3", "0.5.6"):
             assert case.refused_by("patched", base, kernels=False), case.case_id
             assert not case.refused_by("pristine", base, kernels=False), case.case_id
+
+
+def test_the_graphs_set_runs_core_like_cases_and_mtp_with_cuda_graphs() -> None:
+    graphs = select_cases("graphs")
+    assert all(c.graphs and c.case_id.endswith("-graphs") for c in graphs)
+    assert {c.layout for c in graphs} == {"NHD", "HND"}
+    assert {c.spec.family for c in graphs} == {"olmo_hybrid", "qwen3_5"}
+    assert any(c.spec_tokens for c in graphs) and {c.exact for c in graphs} == {True, False}
+    # the same settings run eager elsewhere: only the graphs set's ids carry the suffix
+    eager = {c.case_id for c in cases.named_cases() if not c.graphs}
+    assert {c.case_id.removesuffix("-graphs") for c in graphs} <= eager

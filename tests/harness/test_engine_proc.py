@@ -302,3 +302,86 @@ def test_a_turn_not_given_within_its_wait_times_anyway(tmp_path) -> None:
     with engine_proc.timing_turn(lock, []), engine_proc.timing_turn(lock, record, wait_s=0.1):
         pass
     assert record[0]["held"] is False and record[0]["waited_s"] >= 0.1
+
+
+class _Connector:
+    def get_num_new_matched_tokens(self, request: object, computed: int) -> tuple[int, bool]:
+        return 0, False
+
+
+def test_a_restore_engine_watches_its_measured_request_and_times_others_unwatched(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(d)'s pairs run after the measured request's checks: no checkpoint watch and no timed
+    lookups on them."""
+    from types import SimpleNamespace as NS
+
+    connector = _Connector()
+    core = NS(scheduler=NS(connector=connector))
+    watching: set[str] = set()
+    seen: dict[str, tuple[bool, bool]] = {}
+
+    def collective_rpc(fn, args=()):
+        if fn is worker.rpc_watch_checkpoints:
+            watching.add(args[0])
+        if fn is worker.rpc_kv_hashes:
+            watching.discard(args[0])
+            return [{"rank": 0, "block_size": 80, "kernel_page": 16, "fa": {}, "gdn": {}}]
+        return ["Runner"]
+
+    llm = NS(collective_rpc=collective_rpc, llm_engine=NS(engine_core=NS(engine_core=core)))
+    out = NS(outputs=[NS(token_ids=[5] * 8, logprobs=None)], num_cached_tokens=80, metrics=None)
+
+    def generate_timed(llm_, tokens, params, steps=None, lora=None):
+        timed = "get_num_new_matched_tokens" in vars(connector)
+        seen[str(tokens[0])] = (bool(watching), timed)
+        return out, {"ttft_s": 0.1, "num_cached_tokens": 80}
+
+    monkeypatch.setattr(engine_proc, "_start", lambda spec, result: llm)
+    monkeypatch.setattr(engine_proc, "_sampling", lambda *a: None)
+    monkeypatch.setattr(engine_proc, "_generate", lambda *a: out)
+    monkeypatch.setattr(engine_proc, "_generate_timed", generate_timed)
+    monkeypatch.setattr(engine_proc, "PrefillTap", lambda core: None)
+    monkeypatch.setattr(engine_proc, "TIMING_LOCK", tmp_path / "timing.lock")
+    spec = {
+        "role": "restore",
+        "new_tokens": 2,
+        "top_k": 5,
+        "warmup": [0],
+        "health": [0],
+        "warm_first": {"restore": [1], "cold": [2]},
+        "prompt": [3],
+        "prompt_key": "measured",
+        "timed_pairs": [{"restore": [4], "cold": [5]}, {"restore": [6], "cold": [7]}],
+    }
+    result: dict = {"cache_block_size": 80}
+    engine_proc.run(spec, result)
+    assert seen["3"] == (True, True)  # the measured request: watched, its lookups timed
+    assert {k: v for k, v in seen.items() if k != "3"} == dict.fromkeys("124567", (False, False))
+    assert len(result["timed_pairs"]) == 2 and result["timing_turns"][0]["held"]
+    assert "get_num_new_matched_tokens" not in vars(connector)  # the connector's own again
+
+
+def test_the_compilation_vllm_resolved_is_read_back_from_engine_and_workers() -> None:
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace as NS
+
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    asked = NS(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    asked.max_cudagraph_capture_size = 512
+    # the model runner lowered the mode to what its attention backends support
+    ran = NS(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE)
+    workers = [NS(worker=NS(model_runner=NS(compilation_config=ran), rank=0))]
+    vc = NS(compilation_config=asked, model_config=NS(enforce_eager=False))
+    llm = NS(
+        llm_engine=NS(vllm_config=vc),
+        collective_rpc=lambda fn: [fn(w) for w in workers],
+    )
+    assert engine_proc.resolved_compilation(llm) == {
+        "enforce_eager": False,
+        "mode": "VLLM_COMPILE",
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
+        "max_cudagraph_capture_size": 512,
+        "workers": [{"rank": 0, "mode": "VLLM_COMPILE", "cudagraph_mode": "PIECEWISE"}],
+    }

@@ -51,7 +51,7 @@ def test_the_middle_fa_object_by_write_time_is_forged_with_another_prompts_kv(
     snap = _patched_tier(tmp_path, 4, 2)
     before = (tmp_path / _name(2, 1)).read_bytes()
     got = forge.forge(tmp_path, snap, FA)
-    assert got == {
+    assert {k: v for k, v in got.items() if k != "payload_blake2b"} == {
         "file": _name(2, 1),
         "rank": 2,
         "of": 4,
@@ -80,6 +80,23 @@ def test_a_pristine_object_is_forged_without_a_trailer(tmp_path: Path) -> None:
     got = forge.forge(tmp_path, snap, FA)
     assert got["file"] == "m@0x01000000@0@0001.data" and got["trailer"] == "none"
     assert (tmp_path / got["file"]).read_bytes() == bytes([2 ^ 0xFF]) * 5000
+
+
+def test_a_forged_payload_sealed_anew_is_still_the_forged_payload(tmp_path: Path) -> None:
+    got = forge.forge(tmp_path, _patched_tier(tmp_path, 4, 2), FA)
+    assert forge.forged_payload_kept(tmp_path, got)
+    path = tmp_path / got["file"]
+    path.write_bytes(path.read_bytes()[:FA] + b"K" * forge.TRAILER_LEN)  # another server's tag
+    assert forge.forged_payload_kept(tmp_path, got)
+
+
+def test_a_forged_object_replaced_or_removed_is_not_kept(tmp_path: Path) -> None:
+    got = forge.forge(tmp_path, _patched_tier(tmp_path, 4, 2), FA)
+    path = tmp_path / got["file"]
+    path.write_bytes(bytes([3]) * FA + b"K" * forge.TRAILER_LEN)  # the chunk's own KV again
+    assert not forge.forged_payload_kept(tmp_path, got)
+    path.unlink()
+    assert not forge.forged_payload_kept(tmp_path, got)
 
 
 def test_an_empty_snapshot_cannot_be_forged(tmp_path: Path) -> None:

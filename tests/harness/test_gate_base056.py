@@ -105,7 +105,25 @@ def test_a_kv_layout_vllm_resolved_otherwise_than_the_case_asked_is_an_error() -
     assert evaluate(None)["pass"]  # vLLM 0.26-0.28 report no resolved layout
     assert evaluate("LBNHC")["pass"]
     ev = evaluate("LBHNC")
-    assert not ev["pass"] and "resolved the KV layout ['LBHNC'], not NHD" in ev["errors"][0]
+    assert (
+        not ev["pass"] and "cold: vLLM resolved the KV layout LBHNC, not LBNHC" in ev["errors"][0]
+    )
+
+
+def test_an_engine_of_a_vllm_that_resolves_a_layout_must_report_it() -> None:
+    case = Case("olmo-r5", "NHD", 1, False)
+    p = case.prompt_tokens
+    kv = [hashes({"0": "a"}, {str(p // 80 - 1): "x"})]
+    cold, store = engine([5], [], 2.0), engine([5], [], 2.1, kv=kv)
+    restore = engine([5], [], 0.5, cached=p // 80 * 80, kv=kv)
+    for r in (cold, store, restore):
+        r.update(vllm="0.29.0", kv_cache_layout="LBNHC")
+    assert evaluate_case(case, cold, store, restore, "patched", "0.5.6")["pass"]
+    del restore["kv_cache_layout"]
+    ev = evaluate_case(case, cold, store, restore, "patched", "0.5.6")
+    assert not ev["pass"] and ev["errors"] == [
+        "restore: vLLM resolved the KV layout None, not LBNHC (NHD)"
+    ]
 
 
 def test_the_installed_lmcache_server_takes_the_gates_options(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from judge_fakes import engine, hashes, restored_case
+from judge_fakes import engine, hashes, restored_case, timed_pairs
 
 from hybridfa_gate import judge
 from hybridfa_gate.cases import Case, select_cases
@@ -68,37 +68,40 @@ def test_evaluate_case_pass_and_pristine_like_failure() -> None:
     assert judge.verdict(ev) == "fails (a)" and judge.pristine_shows_the_bug(ev)[0]
 
 
-def test_evaluate_case_times_d_by_first_token() -> None:
+def test_d_times_prefill_by_first_token() -> None:
     """(d) compares prefill (TTFT), not TTFT plus the same decode steps on both sides."""
-    case = Case("olmo-r5", "NHD", 1, False)
-    kv = [hashes({"0": "a"}, {})]
-    cold = {**engine([5], [], 3.0), "ttft_s": 1.0}
-    store = engine([5], [], 3.0, kv=kv)
-    hit = case.prompt_tokens // 80 * 80
-    slow_decode = {**engine([5], [], 3.2, cached=hit, kv=kv), "ttft_s": 0.4}
-    ev = evaluate_case(case, cold, store, slow_decode)
-    assert ev["d"] and (ev["restore_s"], ev["cold_s"]) == (0.4, 1.0)
-    slow_prefill = {**engine([5], [], 2.0, cached=hit, kv=kv), "ttft_s": 1.2}
-    assert not evaluate_case(case, cold, store, slow_prefill)["d"]
-
-
-def test_evaluate_case_prefers_the_restore_engines_own_cold_prefill_for_d() -> None:
-    case = Case("olmo-r5", "NHD", 1, False)
-    kv = [hashes({"0": "a"}, {})]
-    hit = case.prompt_tokens // 80 * 80
-    cold = {**engine([5], [], 3.0), "ttft_s": 0.5}  # another process, quieter moment
-    store = engine([5], [], 3.0, kv=kv)
-    restore = {**engine([5], [], 2.0, cached=hit, kv=kv), "ttft_s": 0.8}
-    restore["cold_reference"] = {"ttft_s": 1.6, "num_cached_tokens": 0}
+    case, cold, store, restore = restored_case(False, [0.4] * 3, [1.0] * 3)
+    for pair in restore["timed_pairs"]:
+        pair["restore"]["gen_s"], pair["cold"]["gen_s"] = 3.2, 1.5  # slow decode after a restore
     ev = evaluate_case(case, cold, store, restore)
-    assert ev["d"] and ev["cold_same_engine_s"] == 1.6
-    restore["cold_reference"] = {"ttft_s": 1.6, "num_cached_tokens": 80}  # not cold
+    assert ev["d"] and (ev["restore_s"], ev["cold_same_engine_s"]) == (0.4, 1.0)
+    _, _, _, slow = restored_case(False, [1.2] * 3, [1.0] * 3)
+    assert not evaluate_case(case, cold, store, slow)["d"]
+
+
+def test_d_leaves_the_measured_restore_out() -> None:
+    """The measured restore is watched (its checkpoints copied as they complete): its TTFT
+    carries the gate's own work and is reported, not timed."""
+    case, cold, store, restore = restored_case(True, [0.17, 0.18, 0.17], [0.181] * 3)
+    restore["ttft_s"] = 0.19
+    ev = evaluate_case(case, cold, store, restore)
+    assert ev["d"] and ev["measured_restore_s"] == 0.19
+    assert ev["restore_runs_s"] == [0.17, 0.18, 0.17]
+
+
+def test_d_compares_cold_prefills_of_the_restore_engine_only() -> None:
+    case, cold, store, restore = restored_case(False, [0.8] * 3, [1.6] * 3)
+    cold["ttft_s"] = 0.5  # another process, a quieter moment
+    ev = evaluate_case(case, cold, store, restore)
+    assert ev["d"] and ev["cold_same_engine_s"] == 1.6 and ev["cold_s"] == 0.5
+    for pair in restore["timed_pairs"]:
+        pair["cold"]["num_cached_tokens"] = 80  # none of them cold
     ev = evaluate_case(case, cold, store, restore)
     assert ev["cold_same_engine_s"] is None and not ev["d"]
 
 
 def test_evaluate_case_reports_the_engines_first_restore() -> None:
-    case, cold, store, restore = restored_case(False, 0.3, 0.5)
+    case, cold, store, restore = restored_case(False, [0.3] * 3, [0.5] * 3)
     hit = restore["num_cached_tokens"]
     restore["warm_first"] = {"restore": {"ttft_s": 1.4, "num_cached_tokens": hit}}
     ev = evaluate_case(case, cold, store, restore)
@@ -112,7 +115,9 @@ def test_evaluate_case_criteria_c_d_and_errors() -> None:
     kv = [hashes({"0": "a"}, {})]
     cold = engine([5], [], 1.0)
     store = engine([5], [], 1.0, kv=kv)
-    ev = evaluate_case(case, cold, store, engine([5], [], 1.5, cached=80, kv=kv))
+    slow = engine([5], [], 1.5, cached=80, kv=kv)
+    slow["timed_pairs"] = timed_pairs([1.5] * 3, [1.0] * 3, 80)
+    ev = evaluate_case(case, cold, store, slow)
     assert not ev["c"] and not ev["d"] and not ev["pass"]
     ev = evaluate_case(case, cold, store, {"ok": False, "error": "boom"})
     assert not ev["completed"] and "restore: boom" in ev["errors"][0]
@@ -151,44 +156,31 @@ def test_evaluate_case_needs_kv_hashes_from_every_tp_rank() -> None:
 def test_d_compares_medians_of_the_repeated_restores_and_cold_prefills() -> None:
     # Measured 2026-11-29: one restore against one cold prefill lost by 0.03 s under load, and
     # passed when rerun alone; one slow outlier on the restore side no longer decides (d).
-    case, cold, store, restore = restored_case(True, 0.185, 0.155)  # 0.185: the outlier
-    hit = restore["num_cached_tokens"]
-    pairs = [((0.11, hit), (0.15, 0)), ((0.12, hit), (0.16, 0))]
-    restore["timed_pairs"] = [
-        {
-            "restore": {"ttft_s": r, "num_cached_tokens": rc},
-            "cold": {"ttft_s": c, "num_cached_tokens": cc},
-        }
-        for (r, rc), (c, cc) in pairs
-    ]
+    case, cold, store, restore = restored_case(True, [0.185, 0.11, 0.12], [0.155, 0.15, 0.16])
     ev = evaluate_case(case, cold, store, restore)
     assert ev["restore_runs_s"] == [0.185, 0.11, 0.12] and ev["restore_s"] == 0.12
     assert ev["cold_same_engine_runs_s"] == [0.155, 0.15, 0.16]
     assert ev["cold_same_engine_s"] == 0.155
     assert ev["d"] and not ev["errors"]
-    restore.pop("timed_pairs")  # one of each, as before: the outlier decides
+    restore["timed_pairs"] = restore["timed_pairs"][:1]  # one of each: the outlier decides
     assert not evaluate_case(case, cold, store, restore)["d"]
 
 
 def test_a_repeat_that_restored_nothing_or_hit_a_cache_is_an_error() -> None:
-    case, cold, store, restore = restored_case(False, 0.3, 1.0)
-    restore["timed_pairs"] = [
-        {
-            "restore": {"ttft_s": 0.9, "num_cached_tokens": 0},
-            "cold": {"ttft_s": 0.2, "num_cached_tokens": 80},
-        }
-    ]
+    case, cold, store, restore = restored_case(False, [0.3, 0.9], [1.0, 0.2])
+    restore["timed_pairs"][1]["restore"]["num_cached_tokens"] = 0
+    restore["timed_pairs"][1]["cold"]["num_cached_tokens"] = 80
     ev = evaluate_case(case, cold, store, restore)
     assert ev["errors"] == [
-        "repeat 1: its restore restored nothing",
-        "repeat 1: its cold prefill hit a cache",
+        "repeat 2: its restore restored nothing",
+        "repeat 2: its cold prefill hit a cache",
     ]
     assert not ev["pass"] and ev["restore_runs_s"] == [0.3]
     assert ev["cold_same_engine_runs_s"] == [1.0]
 
 
 def test_c_counts_the_connectors_hit_not_the_engines_own_prefix_cache() -> None:
-    case, cold, store, restore = restored_case(False, 0.5, 1.0)
+    case, cold, store, restore = restored_case(False, [0.5] * 3, [1.0] * 3)
     hit = restore["num_cached_tokens"]
     assert evaluate_case(case, cold, store, restore)["c"]
     # the same cached-token count, served by vLLM's own prefix cache and not LMCache
@@ -206,6 +198,87 @@ def _passing_evaluation() -> dict:
     ev = evaluate_case(case, cold, store, engine([5], [], 0.5, cached=p // 80 * 80, kv=kv))
     assert ev["pass"], ev
     return ev
+
+
+def _passing_engines(tp: int = 1) -> tuple[Case, dict, dict, dict]:
+    case = Case("olmo-r5", "NHD", 1, False, tp)
+    p = case.prompt_tokens
+    gdn = {str(p // 80 - 1): "x"}
+    kv = [hashes({"0": "a"}, gdn, rank) for rank in range(tp)]
+    cold, store = engine([5], [], 2.0), engine([5], [], 2.1, kv=kv)
+    return case, cold, store, engine([5], [], 0.5, cached=p // 80 * 80, kv=kv)
+
+
+def test_an_engine_whose_fa_cache_shows_no_layout_is_an_error_where_it_could() -> None:
+    case, cold, store, restore = _passing_engines()
+    restore["observed_layout"] = None  # two kv heads per rank: the strides tell the layout
+    ev = evaluate_case(case, cold, store, restore)
+    assert not ev["pass"] and ev["errors"] == ["restore: its FA cache is laid out None, not NHD"]
+    case, cold, store, restore = _passing_engines(tp=2)
+    for r in (cold, store, restore):
+        r["observed_layout"] = None  # one kv head per rank: no order to tell
+    assert evaluate_case(case, cold, store, restore)["pass"]
+
+
+def test_an_fa_cache_laid_out_otherwise_than_the_case_is_an_error() -> None:
+    case, cold, store, restore = _passing_engines()
+    store["observed_layout"] = "HND"
+    ev = evaluate_case(case, cold, store, restore)
+    assert not ev["pass"] and ev["errors"] == ["store: its FA cache is laid out HND, not NHD"]
+
+
+def test_a_health_request_that_differs_from_the_cold_engines_fails_e() -> None:
+    case, cold, store, restore = _passing_engines()
+    restore["health"] = {"ok": True, "tokens": [1, 3]}
+    ev = evaluate_case(case, cold, store, restore)
+    assert ev["health_ok"] and not ev["health_matches_cold"]
+    assert ev["e"] is False and not ev["pass"] and judge.verdict(ev) == "fails (e)"
+
+
+def test_a_store_engine_whose_tokens_differ_from_the_cold_engines_is_an_error() -> None:
+    case, cold, store, restore = _passing_engines()
+    store["tokens"] = [6]
+    ev = evaluate_case(case, cold, store, restore)
+    assert not ev["pass"] and ev["errors"] == [
+        "the store engine's tokens differ from the cold engine's"
+    ]
+
+
+def _graphs_engines(modes: dict[str, str | None]) -> dict:
+    """A graphs case's evaluation, each engine having resolved ``modes[role]`` (None: none
+    reported)."""
+    _, cold, store, restore = _passing_engines()
+    case = Case("olmo-r5", "NHD", 1, False, graphs=True)
+    for role, r in (("cold", cold), ("store", store), ("restore", restore)):
+        if (mode := modes.get(role, "FULL_AND_PIECEWISE")) is not None:
+            worker = {"rank": 0, "cudagraph_mode": mode}
+            r["compilation"] = {"cudagraph_mode": "FULL_AND_PIECEWISE", "workers": [worker]}
+    return evaluate_case(case, cold, store, restore)
+
+
+def test_a_graphs_case_passes_where_every_engine_ran_cuda_graphs() -> None:
+    assert _graphs_engines({})["pass"]
+
+
+def test_a_graphs_case_whose_engine_ran_eager_is_an_error() -> None:
+    ev = _graphs_engines({"restore": "NONE"})
+    assert not ev["pass"] and ev["errors"] == [
+        "restore: vLLM resolved CUDA-graph mode NONE; the case asked CUDA graphs"
+    ]
+
+
+def test_a_graphs_case_whose_engine_reported_no_mode_is_an_error() -> None:
+    ev = _graphs_engines({"cold": None})
+    assert not ev["pass"] and ev["errors"] == [
+        "cold: reported no CUDA-graph mode; the case asked for CUDA graphs"
+    ]
+
+
+def test_an_eager_case_whose_engine_ran_cuda_graphs_is_an_error() -> None:
+    case, cold, store, restore = _passing_engines()
+    store["compilation"] = {"cudagraph_mode": "PIECEWISE", "workers": []}
+    ev = evaluate_case(case, cold, store, restore)
+    assert ev["errors"] == ["store: vLLM resolved CUDA-graph mode PIECEWISE; the case asked eager"]
 
 
 def test_a_case_with_failed_stores_does_not_pass() -> None:
@@ -250,7 +323,6 @@ def _turn2_engines(restore_kv: list, restore_tokens: list[int]) -> tuple[Any, di
     store = engine([5] * case.answer_tokens, [], 3.0, kv=[hashes({"0": "turn1"}, {})])
     restore = {**engine(restore_tokens, [], 0.5, cached=hit, kv=restore_kv), "ttft_s": 0.5}
     restore.update(external_cached_tokens=hit, local_cached_tokens=0)
-    restore["cold_reference"] = {"ttft_s": 1.0, "num_cached_tokens": 0}
     assert p2 > hit
     return case, cold, store, restore
 
@@ -349,6 +421,8 @@ def test_a_kv_dtype_change_passes_on_a_miss_that_gives_the_cold_output() -> None
     ev = _dtype_change(0, [5])
     assert ev["pass"] and judge.verdict(ev) == "pass (a miss)", ev
     assert ev["mode"] == "miss" and ev["a"] is None and ev["d"] is None
+    # the store engine ran the other dtype: its tokens are reported, not judged
+    assert ev["info"] == {"cold_tokens_match_store": False}
 
 
 def test_a_kv_dtype_change_that_restores_fails_c_and_shows_the_bug_on_pristine() -> None:
@@ -362,15 +436,30 @@ def test_a_kv_dtype_change_that_restores_fails_c_and_shows_the_bug_on_pristine()
 # --- a forged object ------------------------------------------------------------------------
 
 
-def _forged(hit: int, fa_restored: str) -> dict:
-    case = Case("qwen35-r5", "NHD", 2, False, forged=True)
-    p = case.prompt_tokens
-    lps = [{"5": -1.0}]
+FORGED_CASE = Case("qwen35-r5", "NHD", 2, False, forged=True)
+FULL = FORGED_CASE.promisable_hit
+
+
+def _forged_restore(hit: int, fa: str) -> dict:
+    """A restore engine of the forged case: ``hit`` tokens restored, FA block 1 hashed ``fa``
+    (the storing engine's is "b")."""
     gdn = {str(hit // 80 - 1): "x"} if hit else {}
-    store_kv = [hashes({"0": "a", "1": "b"}, {str(p // 80 - 1): "x", **gdn})]
+    return engine([5], [{"5": -1.0}], 1.0, cached=hit, kv=[hashes({"0": "a", "1": fa}, gdn)])
+
+
+def _forged(hit: int, fa_restored: str, restart: dict | None = None, kept: bool = True) -> dict:
+    """The forged case's evaluation; the restore after the second restart is ``restart``, by
+    default a miss from the forged chunk on again (13 of 26 chunks restored)."""
+    p = FORGED_CASE.prompt_tokens
+    lps = [{"5": -1.0}]
+    gdn = {str(t // 80 - 1): "x" for t in (p, hit, 160 * 13, FULL) if t}
+    store_kv = [hashes({"0": "a", "1": "b"}, gdn)]
     cold, store = engine([5], lps, 2.0), engine([5], lps, 2.0, kv=store_kv)
-    restore = engine([5], lps, 1.0, cached=hit, kv=[hashes({"0": "a", "1": fa_restored}, gdn)])
-    return evaluate_case(case, cold, store, restore, "patched")
+    restore = _forged_restore(hit, fa_restored)
+    again = _forged_restore(160 * 13, "b") if restart is None else restart
+    return evaluate_case(
+        FORGED_CASE, cold, store, restore, "patched", restart=again, forged_kept=kept
+    )
 
 
 def test_a_forged_object_passes_when_the_restore_stops_before_it() -> None:
@@ -380,10 +469,37 @@ def test_a_forged_object_passes_when_the_restore_stops_before_it() -> None:
 
 
 def test_a_forged_object_that_is_restored_fails() -> None:
-    full = Case("qwen35-r5", "NHD", 2, False).promisable_hit
-    ev = _forged(full, "FORGED")
+    ev = _forged(FULL, "FORGED")
     assert not ev["pass"] and ev["a"] is False and ev["c"] is False
     assert judge.pristine_shows_the_bug(ev)[0]
+
+
+def test_a_forged_object_restored_after_the_next_restart_fails() -> None:
+    """The forged payload, still in its file, sealed anew by a server that read it: the
+    restore after the second restart takes it."""
+    ev = _forged(160 * 13, "b", restart=_forged_restore(FULL, "FORGED"))
+    assert ev["restart"]["a"] is False and ev["restart"]["c"] is False
+    assert not ev["pass"] and judge.verdict(ev) == "fails (a) (c)"
+
+
+def test_a_forged_case_without_its_restore_after_the_next_restart_is_an_error() -> None:
+    ev = _forged(160 * 13, "b", restart={"ok": False, "error": "boom"})
+    assert not ev["pass"] and ev["errors"] == ["restart: boom"]
+
+
+def test_a_forged_object_the_first_restore_replaced_is_restored_whole_after_the_restart() -> None:
+    ev = _forged(160 * 13, "b", restart=_forged_restore(FULL, "b"), kept=False)
+    assert ev["pass"] and ev["restart"]["hit_tokens"] == FULL, ev
+    # replaced, and still a miss: the tier lost a chunk it holds
+    ev = _forged(160 * 13, "b", kept=False)
+    assert not ev["pass"] and ev["restart"]["c"] is False
+
+
+def test_the_restore_after_the_restart_gives_the_cold_engines_output() -> None:
+    restart = _forged_restore(160 * 13, "b")
+    restart["tokens"] = [6]
+    ev = _forged(160 * 13, "b", restart=restart)
+    assert ev["restart"]["b"] is False and judge.verdict(ev) == "fails (b)"
 
 
 # --- LoRA -----------------------------------------------------------------------------------
@@ -431,7 +547,7 @@ def test_lora_each_adapter_restores_its_own_kv() -> None:
 
 def test_a_lora_case_without_bs_request_is_an_error() -> None:
     case = Case("qwen35-r5", "NHD", 1, False, lora="other")
-    _, cold, store, restore = restored_case(False, 0.5, 1.0)
+    _, cold, store, restore = restored_case(False, [0.5] * 3, [1.0] * 3)
     ev = evaluate_case(case, cold, store, restore, "patched")
     assert not ev["pass"] and "adapter B's request did not run in every engine" in ev["errors"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hybridfa_gate import engine_proc, load, prompts, worker
+from hybridfa_gate import engine_proc, load, load_loop, prompts, worker
 from hybridfa_gate.l2 import folder_inventory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -393,16 +393,16 @@ def test_blocks_to_hash() -> None:
     keys = [f"k{j}" for j in range(10)]
     none: Counter[str] = Counter()
     # nothing cached: reference = every block of complete chunks (chunk = 2 blocks)
-    v, r = load.blocks_to_hash(10 * 80 + 30, 80, 160, 0, 0, keys, none)
+    v, r = load_loop.blocks_to_hash(10 * 80 + 30, 80, 160, 0, 0, keys, none)
     assert v == [] and r == list(range(10))
-    v, r = load.blocks_to_hash(9 * 80 + 30, 80, 160, 0, 0, keys, none)
+    v, r = load_loop.blocks_to_hash(9 * 80 + 30, 80, 160, 0, 0, keys, none)
     assert r == list(range(8))  # block 8 lies in an incomplete chunk: never stored
     # local prefix hit of 2 blocks, LMCache restored 4 more: verify those, reference the rest
-    twice = Counter({"k7": load.REF_COPIES})
-    v, r = load.blocks_to_hash(10 * 80 + 30, 80, 160, 160, 320, keys, twice)
+    twice = Counter({"k7": load_loop.REF_COPIES})
+    v, r = load_loop.blocks_to_hash(10 * 80 + 30, 80, 160, 160, 320, keys, twice)
     assert v == [2, 3, 4, 5] and r == [6, 8, 9]
     # full hit up to the last chunk boundary
-    v, r = load.blocks_to_hash(800, 80, 160, 0, 640, keys, none)
+    v, r = load_loop.blocks_to_hash(800, 80, 160, 0, 640, keys, none)
     assert v == list(range(8)) and r == [8, 9]
 
 
@@ -508,7 +508,7 @@ def test_load_loop_with_a_fake_engine() -> None:
 
     def run(engine, spec, emit):
         submit = lambda ext, tokens: engine.add_request(ext, tokens, None)  # noqa: E731
-        return load.load_loop(submit, engine.step, hash_rpc, engine.tap.stats, spec, emit, now)
+        return load_loop.load_loop(submit, engine.step, hash_rpc, engine.tap.stats, spec, emit, now)
 
     s = run(eng, spec, recs.append)
     recs.sort(key=lambda r: r["seq"])

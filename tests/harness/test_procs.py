@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridfa_gate import l2 as l2_tiers
 from hybridfa_gate import procs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,9 +123,9 @@ def test_l2_wait_gives_up_when_the_server_failed_stores(tmp_path: Path) -> None:
 
     l2, log = tmp_path / "l2", tmp_path / "server1.log"
     _one_l2_object(l2)
-    log.write_text(f"[x] LMCache ERROR: {procs.STORE_FAILED} (transfer.py:1126)\n" * 2)
+    log.write_text(f"[x] LMCache ERROR: {l2_tiers.STORE_FAILED} (transfer.py:1126)\n" * 2)
     t0 = time.monotonic()
-    got = procs.wait_l2_stable(l2, 5, timeout=60.0, quiet=0.5, server_log=log)
+    got = l2_tiers.wait_l2_stable(l2, 5, timeout=60.0, quiet=0.5, server_log=log)
     assert time.monotonic() - t0 < 10
     assert got["objects"] == 1 and not got["stable"] and got["store_failures"] == 2
     got = engine_proc._wait_l2(str(l2), 5, timeout=60.0, server_log=str(log))
@@ -136,9 +137,9 @@ def test_l2_wait_keeps_waiting_for_a_healthy_server(tmp_path: Path) -> None:
     l2, log = tmp_path / "l2", tmp_path / "server1.log"
     _one_l2_object(l2)
     log.write_text("[x] LMCache INFO: Stored 80 tokens in 0.001 seconds\n")
-    got = procs.wait_l2_stable(l2, 5, timeout=2.0, quiet=0.5, server_log=log)
+    got = l2_tiers.wait_l2_stable(l2, 5, timeout=2.0, quiet=0.5, server_log=log)
     assert not got["stable"] and "store_failures" not in got
-    assert procs.wait_l2_stable(l2, 1, timeout=10.0, quiet=0.5, server_log=log)["stable"]
+    assert l2_tiers.wait_l2_stable(l2, 1, timeout=10.0, quiet=0.5, server_log=log)["stable"]
 
 
 FAKE_ENGINE = """

@@ -1,6 +1,8 @@
-"""Stored reports judged again (judge.rejudge): every committed gate report in results/ keeps
-the verdicts it recorded, so today's judge reads yesterday's evidence the same way, save the
-verdicts a later rule changed (CHANGED, each named with the rule)."""
+"""Stored evidence judged again. A report keeps no KV hashes, so ``judge.rejudge`` can only
+recompute (c) and keep the rest: every committed gate report in results/ keeps the verdicts it
+recorded, save those a later rule changed (CHANGED, each named with the rule), a guard against
+a judge that drifts. Raw engine results (data/raw-engines, each engine's OUT file as
+``engine_proc`` wrote it on a GPU, KV hashes and all) go through ``evaluate_case`` whole."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ from typing import Any
 
 import pytest
 
-from hybridfa_gate.judge import rejudge, verdict
+from hybridfa_gate.cases import select_cases
+from hybridfa_gate.judge import evaluate_case, rejudge, verdict
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
+RAW = Path(__file__).resolve().parent / "data" / "raw-engines"
 REPORTS = sorted(RESULTS.glob("gpu-gate-*.json"))
 
 # Verdicts a later rule changed, by report and case. Turn 2 on vLLM 0.29: (c) is bounded by
@@ -62,3 +66,36 @@ def test_rejudge_judges_c_by_todays_promise_and_keeps_the_rest() -> None:
     assert ev["c"] and not ev["pass"]
     ev = rejudge(_recorded_mtp_case(hit_tokens=3840))["cases"][0]["eval"]
     assert not ev["c"] and not ev["pass"]
+
+
+def _raw(case_id: str) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A case and its cold, store and restore engines' results, as they ran."""
+    (case,) = select_cases(case_id)
+    roles = (
+        json.loads((RAW / case_id / f"{r}.json").read_text()) for r in ("cold", "store", "restore")
+    )
+    return (case, *roles)
+
+
+# A LoRA case on vLLM 0.27.1 (torch 2.13, an H100) with revision 16, whose server copied with
+# LMCache's Python fallback (the compiled kernels did not load; revision 19 refuses that): its
+# report (results/gpu-gate-2026-12-04T123042-patched-vllm0271.json) recorded a 4160-token
+# hit of adapter A with 100 of 106 FA blocks and 2 of 6 compared recurrent checkpoints wrong,
+# other tokens, and adapter B's request a miss with the cold engine's output.
+LORA_FALLBACK = "qwen35-r5-NHD-c1N-offset-lora-other"
+
+
+def test_a_raw_restore_replayed_fails_where_its_run_did() -> None:
+    ev = evaluate_case(*_raw(LORA_FALLBACK), "patched")
+    assert verdict(ev) == "fails (a) (b)" and ev["errors"] == []
+    kv = {k: ev["kv"][k] for k in ("fa_blocks", "fa_bad", "gdn_blocks", "gdn_bad")}
+    assert kv == {"fa_blocks": 106, "fa_bad": 100, "gdn_blocks": 6, "gdn_bad": 2}
+    assert (ev["hit_tokens"], ev["required_hit"], ev["c"]) == (4160, 4081, True)
+    assert ev["lora_b"]["hit_tokens"] == 0 and ev["lora_b"]["b"] and ev["lora_b"]["c"]
+
+
+def test_the_replayed_restore_fails_a_by_its_kv_hashes() -> None:
+    case, cold, store, restore = _raw(LORA_FALLBACK)
+    restore["kv_hashes"] = store["kv_hashes"]  # the bytes the storing engine computed
+    ev = evaluate_case(case, cold, store, restore, "patched")
+    assert ev["a"] and ev["bytes_match"] and verdict(ev) == "fails (b)"

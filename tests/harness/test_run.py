@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridfa_gate import cli, run
+from hybridfa_gate import cli, judge, run
 from hybridfa_gate.cases import Case, select_cases
 from hybridfa_gate.report import markdown_report, table_row
+from hybridfa_gate.specs import RunConfig
 
 
 def test_cold_runs_run_once_across_threads_and_skip_failures() -> None:
@@ -129,3 +130,62 @@ def test_the_environment_names_what_the_wheels_kernels_were_built_against(tmp_pa
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("GATE-ENV ")]
     versions = json.loads(line.removeprefix("GATE-ENV "))
     assert versions["hybridfa_kernels"] == "torch 2.13.0+cu130 (CUDA 13.0)"
+
+
+def _run_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: bool, expect_refusals: bool
+) -> tuple[dict, list[str]]:
+    """A patched run of the quick set whose engines' lmcache has (or lacks) compiled kernels
+    that load: its report, and each case's mode as the run judged it."""
+    versions = {"lmcache_dist": "0.5.3+hybridfa.20", "lmcache_compiled_kernels": kernels}
+    header = {"arm": "patched", "versions": versions}
+    monkeypatch.setattr(run, "start_report", lambda *a: (tmp_path / "r", header, None))
+    monkeypatch.setattr(run, "write_report", lambda report, stem: None)
+    modes: list[str] = []
+
+    def run_case(case: Case, rc: RunConfig, cold_runs: object) -> dict:
+        modes.append(run.case_record(case, rc.arm, rc.base, rc.kernels)["mode"])
+        return {"case": case.case_id}
+
+    monkeypatch.setattr(run, "run_case", run_case)
+    rc = RunConfig("patched", tmp_path, tmp_path, expect_refusals=expect_refusals)
+    return run.run_matrix(select_cases("quick"), rc), modes
+
+
+def test_a_patched_run_without_loadable_kernels_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report, modes = _run_on(tmp_path, monkeypatch, kernels=False, expect_refusals=False)
+    assert modes == [] and "--kernels" in report["error"]
+    assert judge.gate_problems({**report, "selected": ["c"]}, "patched") == [report["error"]]
+
+
+def test_a_run_that_expects_refusals_judges_every_case_as_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report, modes = _run_on(tmp_path, monkeypatch, kernels=False, expect_refusals=True)
+    assert "error" not in report and report["expect_refusals"] is True
+    assert modes == ["refused"] * 3
+
+
+def test_a_run_that_expects_refusals_where_the_kernels_load_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report, modes = _run_on(tmp_path, monkeypatch, kernels=True, expect_refusals=True)
+    assert modes == [] and "nothing is refused" in report["error"]
+
+
+def test_the_cli_passes_its_expectation_of_refusals_to_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[bool] = []
+
+    def run_matrix(cases: object, rc: RunConfig, on_progress: object) -> dict:
+        seen.append(rc.expect_refusals)
+        return {"error": "stopped here"}
+
+    monkeypatch.setattr(cli, "run_matrix", run_matrix)
+    monkeypatch.setattr(cli, "install_cleanup_handler", lambda: None)
+    for extra in ([], ["--expect-refusals"]):
+        assert cli.main(["--lmcache-dir", str(tmp_path), *extra]) == 2
+    assert seen == [False, True]

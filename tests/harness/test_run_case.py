@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from judge_fakes import engine, hashes
 
-from hybridfa_gate import forge, run
+from hybridfa_gate import forge, report, run
 from hybridfa_gate.cases import Case, select_cases
 from hybridfa_gate.specs import RunConfig
 
@@ -60,11 +60,12 @@ class Fakes:
         elif role == "cold":
             out = engine([5], lps, 2.0)
         else:
-            out = {**engine([5], lps, 0.5, cached=self.restored, kv=kv), "ttft_s": 0.5}
-            out["cold_reference"] = {"ttft_s": 1.0, "num_cached_tokens": 0}
+            out = engine([5], lps, 0.5, cached=self.restored, kv=kv)
         if "second" in spec:
             b = {**engine([9], lps, 1.0, cached=0, kv=kv), "lora": "B"}
             out["second"] = b
+        eager = spec.get("enforce_eager", True)
+        out["compilation"] = {"cudagraph_mode": "NONE" if eager else "FULL_AND_PIECEWISE"}
         return {**out, "geometry": geo, "observed_layout": case.layout}
 
 
@@ -107,6 +108,21 @@ def test_a_forged_case_rewrites_one_object_of_the_prompt_before_the_restore(
     assert fakes.specs["store"]["l2_snapshot"]["min_objects"] == count
 
 
+def test_a_forged_case_restarts_once_more_and_restores_again(rc: RunConfig, monkeypatch) -> None:
+    (case,) = select_cases("qwen35-r5-NHD-c2N-offset-forged")
+    fakes = Fakes(monkeypatch, case, case.chunk * 13)
+    rec = run.run_case(case, rc, run.ColdRuns())
+    assert list(fakes.specs) == ["cold", "store", "restore", "restart"]
+    assert len(fakes.servers) == 3 and "server3" in rec
+    assert fakes.specs["restart"]["prompt"] == fakes.specs["store"]["prompt"]
+    assert "timed_pairs" not in fakes.specs["restart"]
+    # the first restore keeps its KV until what it recomputed is stored
+    assert fakes.specs["restore"]["l2"] == str(rc.work / "patched" / case.case_id / "l2")
+    assert rec["forged_after_restore"] == {"kept": True}  # nothing rewrote the forged file
+    assert rec["eval"]["restart"]["forged_kept"] and rec["eval"]["pass"], rec["eval"]
+    assert "restart" in rec["engines"]
+
+
 def test_a_forged_case_whose_store_listed_nothing_is_an_error(rc: RunConfig, monkeypatch) -> None:
     (case,) = select_cases("qwen35-r5-NHD-c2N-offset-forged")
     fakes = Fakes(monkeypatch, case, 0)
@@ -145,3 +161,17 @@ def test_a_dtype_change_case_records_both_dtypes(rc: RunConfig, monkeypatch) -> 
     assert fakes.specs["store"]["kv_cache_dtype"] == "fp8_e4m3"
     assert fakes.specs["restore"]["kv_cache_dtype"] == "fp8_e5m2"
     assert rec["eval"]["pass"] and rec["eval"]["mode"] == "miss", rec["eval"]
+
+
+def test_a_graphs_case_reports_the_cuda_graph_mode_each_engine_ran(
+    rc: RunConfig, monkeypatch
+) -> None:
+    (case,) = select_cases("olmo-r5-NHD-c1N-offset-graphs")
+    Fakes(monkeypatch, case, case.promisable_hit)
+    rec = run.run_case(case, rc, run.ColdRuns())
+    assert rec["eval"]["pass"], rec["eval"]
+    assert rec["enforce_eager"] is False
+    assert rec["cudagraph_mode"] == dict.fromkeys(
+        ("cold", "store", "restore"), "FULL_AND_PIECEWISE"
+    )
+    assert report.table_row("patched", rec)[7] == "FULL_AND_PIECEWISE"

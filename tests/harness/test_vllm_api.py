@@ -124,3 +124,14 @@ def test_the_in_process_engine_loop_the_timed_requests_drive() -> None:
     assert "def collective_rpc(" in _source("vllm.entrypoints.llm")
     base = _source("vllm.distributed.kv_transfer.kv_connector.v1.base")
     assert "def get_num_new_matched_tokens(" in base
+
+
+def test_vllm_configs_name_the_compilation_and_cuda_graph_modes_the_gate_reads_back() -> None:
+    """``engine_proc.resolved_compilation`` and ``worker.rpc_compilation`` read these fields."""
+    from vllm.config import CompilationConfig, ModelConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    fields = {f.name for f in dataclasses.fields(CompilationConfig)}
+    assert {"mode", "cudagraph_mode", "max_cudagraph_capture_size"} <= fields
+    assert "enforce_eager" in {f.name for f in dataclasses.fields(ModelConfig)}
+    assert CUDAGraphMode.NONE.name == "NONE" and CompilationMode.VLLM_COMPILE.name == "VLLM_COMPILE"
