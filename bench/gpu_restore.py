@@ -92,7 +92,10 @@ KIND_ARM = {"lmcache": {"disk": "default", "pagecache": "pagecache"}}
 NEW_TOKENS, MAX_POSITIONS, WARM_BLOCKS = 8, 262144, 16
 DISK_MARGIN = 2 * GIB  # left free on the L2 filesystem
 CEILING_BYTES = 4 * GIB
-CEILING_RESERVE_S = 75.0  # the ceiling probe and the teardown after the restore engine
+# Command budget: an engine is not started with less than ENGINE_START_S left before its
+# deadline (its start alone can take that long), and is killed ENGINE_TEARDOWN_S after it;
+# the restore engine's deadline leaves CEILING_RESERVE_S for the ceiling probe after it.
+ENGINE_START_S, ENGINE_TEARDOWN_S, CEILING_RESERVE_S = 90.0, 30.0, 75.0
 # A disk restore must have read at least this share of the bytes of its hit's objects.
 READ_SHARE = 0.9
 PAGECACHE_READ_SHARE = 0.05  # a page-cache restore reads at most this share from the disk
@@ -348,8 +351,10 @@ class Piece:
     def engine(self, env: dict[str, str], spec: dict[str, Any], role: str) -> dict[str, Any]:
         """One engine under this command's deadline; its read-back mode checked."""
         deadline = self.deadline - (CEILING_RESERVE_S if role == "restore" else 0.0)
+        if (left := deadline - time.time()) < ENGINE_START_S:
+            raise RuntimeError(f"{role} engine: {left:.0f} s left of --budget-s, not started")
         spec["deadline"] = deadline
-        timeout = max(60.0, min(self.a.engine_timeout, deadline + 30.0 - time.time()))
+        timeout = min(self.a.engine_timeout, deadline + ENGINE_TEARDOWN_S - time.time())
         res = run_engine(self.py, env, spec, self.wd, role, timeout)
         read = res.get("engine_mode")
         self.info.setdefault("engines", {})[role] = {
@@ -648,7 +653,9 @@ def main(argv: Sequence[str] | None = None) -> int | str:
         help="all: one command; store, then restore: the piece split at the restart",
     )
     pc.add_argument("--rounds", type=int, default=5, help="colds and restores per arm")
-    pc.add_argument("--budget-s", type=float, default=570.0, help="this command's time")
+    pc.add_argument(
+        "--budget-s", type=float, default=540.0, help="this command ends within it plus 30 s"
+    )
     pc.add_argument("--lmcache-dir", type=Path, required=True, help="this wheel (pip --target)")
     pc.add_argument("--l056-dir", type=Path, default=Path("/tmp/lmc-056"), help="lmcache 0.5.6")
     pc.add_argument("--out", type=Path, default=Path("results/pieces"), help="pieces' folder")
@@ -659,7 +666,7 @@ def main(argv: Sequence[str] | None = None) -> int | str:
         default=Path("/tmp/hybridfa-bench-cache"),
         help="every engine's compile caches (vLLM, inductor, Triton, FlashInfer)",
     )
-    pc.add_argument("--engine-timeout", type=float, default=600.0)
+    pc.add_argument("--engine-timeout", type=float, default=600.0, help="at most, per engine")
     mg = sub.add_parser("merge", help="merge pieces into reports (JSON, markdown, plots)")
     mg.add_argument("pieces", type=Path, nargs="+", help="piece files or folders")
     mg.add_argument("--results", type=Path, default=Path("results/bench-gpu.json"))

@@ -17,6 +17,7 @@ SCHEDULER_METHODS = (
     "build_connector_meta",
     "update_connector_output",
     "request_finished",
+    "request_finished_all_groups",
 )
 WORKER_METHODS = (
     "bind_connector_metadata",

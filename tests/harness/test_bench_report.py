@@ -479,3 +479,14 @@ def test_an_offloading_spec_steps_its_stores_and_reads_its_own_files(tmp_path: P
     conn = {"kv_transfer_config": report.offloading_transfer_config(tmp_path, 1 << 30, "e")}
     spec = bench.engine_spec(M, P, "store", tmp_path, eager=False, conn=conn)
     assert spec["connector"] == "offloading" and spec["suffix"] == ".bin" and "lmcache" not in spec
+
+
+def test_no_engine_starts_with_less_of_the_budget_left_than_its_start_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = fake_engines(monkeypatch)
+    a = args(tmp_path)
+    a.budget_s = bench.ENGINE_START_S - 1
+    piece_ = bench.Piece(a)
+    piece_.run()
+    assert not seen and "not started" in saved(tmp_path, piece_)["run"]["error"]
