@@ -571,7 +571,8 @@ class Piece:
                 for proc in procs:
                     kill_group(proc)
             if procs:
-                ctx.update(parse_server_log((self.wd / "server-restore.log").read_text()))
+                log = (self.wd / "server-restore.log").read_text(errors="replace")
+                ctx.update(parse_server_log(log))
                 ctx.update(groups=object_group_means(h["inventory"]), fa=fa_object_bytes(m))
             self.fill(res, h["stored"], h["baseline"], ctx)
         finally:
