@@ -169,9 +169,9 @@ def rpc_block_hashes(self: Any, req_id: str, prompt_tokens: int, only: list[int]
 
 # The KV digest: two lanes of sum(w_i * x_i) mod 2**61 - 1 over the bytes' 32-bit words x_i, with
 # fixed pseudo-random weights w_i in [1, 2**31) per word position. Exact integer arithmetic on
-# the tensor's own device (no product or sum leaves int64), so a GPU digests a 128k-token KV
-# cache in milliseconds and only 16 bytes per block reach the host. Any change to one word
-# changes both lanes (w_i is invertible mod the prime); others collide with odds ~2**-122.
+# the tensor's own device (no product or sum leaves int64): the KV stays on the GPU and only 16
+# bytes per block reach the host. Any change to one word changes both lanes (w_i is invertible
+# mod the prime); a random change of several collides with odds of about 2**-122.
 _PRIME = (1 << 61) - 1
 _SEED = 0x6B76_6861_7368
 _BATCH_BYTES = 64 << 20  # input bytes digested at once (the int64 temporaries are 2-4x)
