@@ -93,7 +93,7 @@ NEW_TOKENS, MAX_POSITIONS, WARM_BLOCKS = 8, 262144, 16
 DISK_MARGIN = 2 * GIB  # left free on the L2 filesystem
 CEILING_BYTES = 4 * GIB
 # Command budget: an engine is not started with less than ENGINE_START_S left before its
-# deadline (its start alone can take that long), and is killed ENGINE_TEARDOWN_S after it;
+# deadline (room for its start and one timed unit), and is killed ENGINE_TEARDOWN_S after it;
 # the restore engine's deadline leaves CEILING_RESERVE_S for the ceiling probe after it.
 ENGINE_START_S, ENGINE_TEARDOWN_S, CEILING_RESERVE_S = 90.0, 30.0, 75.0
 # A disk restore must have read at least this share of the bytes of its hit's objects.
