@@ -253,7 +253,11 @@ def _sp(s: dict[str, Any] | None) -> str:
 def _run_line(run: dict[str, Any]) -> str:
     c, host = run.get("ceiling") or {}, run.get("host") or {}
     gpus = run.get("gpus") if isinstance(run.get("gpus"), list) else [{}]
-    modes = {r: e.get("read_back") for r, e in (run.get("engines") or {}).items()}
+    modes = {
+        role: f"{e.get('read_back')}"
+        + (f", {e['cut_by_deadline']} cut" if e.get("cut_by_deadline") else "")
+        for role, e in (run.get("engines") or {}).items()
+    }
     started = [s.get("started") for s in (run.get("stages") or {}).values()]
     return (
         f"- {run.get('piece')} ({', '.join(map(str, started))}): host {host.get('host_id')} "

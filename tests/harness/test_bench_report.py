@@ -490,3 +490,10 @@ def test_no_engine_starts_with_less_of_the_budget_left_than_its_start_takes(
     piece_ = bench.Piece(a)
     piece_.run()
     assert not seen and "not started" in saved(tmp_path, piece_)["run"]["error"]
+
+
+def test_the_report_names_each_engines_mode_and_what_its_deadline_cut() -> None:
+    p = piece("p", "t", {KEY: row("default", [judged()], [5.0])})
+    p["run"]["engines"] = {"restore": {"read_back": "graphs", "cut_by_deadline": 2}}
+    md = report.markdown_report(report.merge_pieces([p]))
+    assert "engines {'restore': 'graphs, 2 cut'}" in md
