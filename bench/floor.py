@@ -1,6 +1,6 @@
-"""The restore bench's evidence and floor, stdlib only: page-cache residency (mincore), a
-process's bytes read from storage (/proc/<pid>/io), when an L2 folder is quiet, the device's
-read ceiling with many reads in flight, and floor = bytes / ceiling + the engine's fixed cost."""
+"""The restore bench's evidence and floor, stdlib only: page-cache residency per file
+(mincore), a process's bytes read from storage (/proc/<pid>/io), when an L2 folder is quiet,
+the device's read ceiling with many reads in flight, floor = bytes / ceiling + fixed cost."""
 
 from __future__ import annotations
 
@@ -54,15 +54,20 @@ def resident_bytes(path: Path) -> int:
 
 
 def residency(paths: Iterable[Path]) -> dict[str, int]:
-    """Resident and total bytes over files (ones removed meanwhile are skipped)."""
-    res, total = 0, 0
+    """Over files, one by one: how many and their bytes, how many had any page in the page
+    cache and those pages' bytes, how many were missing."""
+    out = dict.fromkeys(("files", "bytes", "resident_files", "resident_bytes", "missing_files"), 0)
     for p in paths:
         try:
-            total += p.stat().st_size
-            res += resident_bytes(p)
+            size, res = p.stat().st_size, resident_bytes(p)
         except FileNotFoundError:
+            out["missing_files"] += 1
             continue
-    return {"resident_bytes": res, "bytes": total}
+        out["files"] += 1
+        out["bytes"] += size
+        out["resident_files"] += res > 0
+        out["resident_bytes"] += res
+    return out
 
 
 def parse_proc_io(text: str) -> dict[str, int]:
@@ -190,16 +195,9 @@ def ceiling_probe(
     return res
 
 
-def fixed_cost(timeline: dict[str, Any] | None) -> float | None:
-    """The engine's own time after the hit: its last two steps before the first token (the
-    prefill of the tail past the hit and the first-token step), from engine_proc's
-    ``restore_timeline``; the sub-millisecond steps before them wait for the load."""
-    steps = (timeline or {}).get("steps_after_hit") or []
-    return sum(s for _, s in steps[-2:]) if len(steps) >= 2 else None
-
-
 def floor_s(nbytes: float | None, gbps: float | None, fixed: float | None) -> float | None:
-    """The fastest a restore of ``nbytes`` can be: read at the ceiling, then the fixed cost."""
+    """The fastest a restore of ``nbytes`` can be: read at the ceiling, then the fixed cost
+    (what the engine spends on a hit already in GPU memory)."""
     if nbytes is None or not gbps or fixed is None:
         return None
     return nbytes / (gbps * GB) + fixed

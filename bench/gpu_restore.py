@@ -1,7 +1,9 @@
-"""GPU benchmark: restore TTFT after a restart, against cold prefills timed in turn in the same
-engine and against a floor measured in the same run (bench/README.md). One piece per command
-(one model, length, group and mode), merged into one report afterwards. Run from the checkout:
-``python -m bench.gpu_restore piece ...`` and ``python -m bench.gpu_restore merge ...``."""
+"""GPU benchmark: restore TTFT after a restart, against the cold prefill of an engine without a
+connector and against a floor, both measured in the same piece (bench/README.md). One piece
+per model, length, group and mode, run in one command or split at the restart into a store and
+a restore stage on the same machine; pieces merge into one report per revision, software set
+and GPU model. Run from the checkout: ``python -m bench.gpu_restore piece ...`` and
+``python -m bench.gpu_restore merge ...``."""
 
 from __future__ import annotations
 
@@ -20,15 +22,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import floor
+from bench import floor, machine, miss_path
+from bench.bench_engine import mode_of
 from bench.restore_report import (
     GB,
     l2_read_bytes,
-    merge_pieces,
     object_group_means,
     offloading_transfer_config,
     parse_server_log,
-    write_results,
+    write_merged,
 )
 from hybridfa_gate import l2 as l2_tiers
 from hybridfa_gate.judge import compare_kv_hashes, connector_hit
@@ -81,15 +83,22 @@ LENGTHS = {"8k": 8192, "26k": 26624, "64k": 65536, "128k": 131072}
 # group: (arms it measures, the kinds of a round in its restore engine)
 GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "warmup": ((), ()),
-    "cold": (("cold",), ("cold",)),
-    "lmcache": (("default", "pagecache"), ("cold", "disk", "pagecache")),
-    "offloading": (("offloading",), ("cold", "disk")),
-    "lmcache056": (("lmcache056",), ("cold", "disk")),
+    "warmup-hnd": ((), ()),
+    "lmcache": (("default", "pagecache"), ("cold", "disk", "pagecache", "fixed")),
+    "offloading": (("offloading",), ("cold", "disk", "fixed")),
+    "lmcache056": (("lmcache056",), ("cold", "disk", "fixed")),
 }
 KIND_ARM = {"lmcache": {"disk": "default", "pagecache": "pagecache"}}
 NEW_TOKENS, MAX_POSITIONS, WARM_BLOCKS = 8, 262144, 16
 DISK_MARGIN = 2 * GIB  # left free on the L2 filesystem
 CEILING_BYTES = 4 * GIB
+# Command budget: an engine is not started with less than ENGINE_START_S left before its
+# deadline (room for its start and one timed unit), and is killed ENGINE_TEARDOWN_S after it;
+# the restore engine's deadline leaves CEILING_RESERVE_S for the ceiling probe after it.
+ENGINE_START_S, ENGINE_TEARDOWN_S, CEILING_RESERVE_S = 90.0, 30.0, 75.0
+# A disk restore must have read at least this share of the bytes of its hit's objects.
+READ_SHARE = 0.9
+PAGECACHE_READ_SHARE = 0.05  # a page-cache restore reads at most this share from the disk
 
 
 class Skipped(RuntimeError):
@@ -98,6 +107,11 @@ class Skipped(RuntimeError):
 
 def block(m: ModelSpec) -> int:
     return expected_geometry(m).block_size
+
+
+def max_model_len(m: ModelSpec) -> int:
+    """One for every piece of a model: vLLM's compile cache key holds it."""
+    return max(LENGTHS.values()) + 4 * block(m)
 
 
 def prompt_bytes(m: ModelSpec, p: int) -> int:
@@ -136,6 +150,7 @@ def engine_spec(
         top_k=None,
         enforce_eager=eager,
         log_stats=True,
+        max_model_len=max_model_len(m),
         prompt_bytes=prompt_bytes(m, p),
         block_tokens=n,
         warm_prompts=[prompt(min(p, WARM_BLOCKS * n + n // 2), "W")],
@@ -179,53 +194,110 @@ def finding(row: dict[str, Any], what: str) -> None:
     row["findings"].append({k: row[k] for k in keys} | {"what": what})
 
 
+def restored_only(hashes: Any, hit_blocks: int) -> Any:
+    """KV hashes with the FA blocks past the hit left out: the engine computes those after
+    the restore, so they say nothing of what was restored."""
+    out = []
+    for h in hashes or []:
+        fa = {la: {j: v for j, v in b.items() if int(j) < hit_blocks} for la, b in h["fa"].items()}
+        out.append({**h, "fa": fa})
+    return out
+
+
+def needed_bytes(
+    stored: dict[str, Any], hit: int, n: int, ctx: dict[str, Any], l1: int | None, l2: int | None
+) -> float | None:
+    """Bytes of the objects the hit needs. This wheel (``ctx["needed_from"]`` server_log):
+    the objects its server retained for the hit (its log's L1 and L2 keys) at the tier's
+    object sizes. The peers, which read every hit block's objects: the stored prompt's files."""
+    if ctx.get("needed_from") == "server_log":
+        return l2_read_bytes((l1 or 0) + (l2 or 0), hit, n, ctx.get("groups") or {}, ctx["fa"])
+    files = stored.get("files") or {}
+    return float(sum(files.values())) if files else None
+
+
 def judge_restore(
     r: dict[str, Any], stored: dict[str, Any], m: ModelSpec, p: int, ctx: dict[str, Any]
 ) -> dict[str, Any]:
-    """One timed restore's evidence: hit, KV bytes and tokens against the storing engine, the
-    server's prefetch (L1/L2 objects, their bytes), and whether its source is proven."""
+    """One timed restore's evidence: hit, restored KV bytes (and tokens where the weights are
+    not vLLM's dummy ones) against the storing engine, the server's prefetch (L1/L2 objects),
+    the bytes its hit needs, and whether its source is proven."""
     n = block(m)
-    hit = connector_hit(r)[0]
-    kv = compare_kv_hashes(stored.get("kv_hashes"), r.get("kv_hashes"), hit)
-    out = {
-        k: r.get(k)
-        for k in ("round", "kind", "ttft_s", "io_read_bytes", "resident_bytes", "bytes", "fixed_s")
-    }
+    hit, local = connector_hit(r)
+    hb = hit // n
+    kv = compare_kv_hashes(
+        restored_only(stored.get("kv_hashes"), hb), restored_only(r.get("kv_hashes"), hb), hit
+    )
+    keys = ("round", "kind", "ttft_s", "io_read_bytes", "hit_files", "span", "timeline")
+    out = {k: r.get(k) for k in keys}
     out.update(
         hit_tokens=hit,
+        local_hit_tokens=local,
         hit_ok=hit >= required_hit(p, n),
         kv_match=kv["match"],
         kv_mismatches=kv["mismatches"][:4],
         tokens_match=r.get("tokens") == stored.get("tokens"),
         l2_quiet=r.get("l2_quiet"),
+        prefix_reset=r.get("prefix_reset"),
         l1_cleared=r.get("l1_cleared"),
-        timeline=r.get("timeline"),
     )
     a, b = r.get("span") or (None, None)
     inside = [x for x in ctx.get("prefetch") or [] if a and b and a <= x["t"] <= b]
     if ctx.get("groups") is not None:
         out["l1_objects"] = sum(x["l1"] for x in inside)
         out["l2_objects"] = sum(x["l2"] for x in inside)
-        out["object_bytes"] = l2_read_bytes(out["l2_objects"], hit, n, ctx["groups"], ctx["fa"])
-    out["correct"] = bool(out["hit_ok"] and kv["match"] and out["tokens_match"])
-    out["proven"] = proven(out)
+    out["needed_bytes"] = needed_bytes(
+        stored, hit, n, ctx, out.get("l1_objects"), out.get("l2_objects")
+    )
+    tokens_ok = out["tokens_match"] or not ctx.get("tokens_count")
+    out["correct"] = bool(out["hit_ok"] and kv["match"] and tokens_ok)
+    out["unproven"] = proof_problems(out)
+    out["proven"] = not out["unproven"]
     return out
 
 
-def proven(r: dict[str, Any]) -> bool:
-    """A disk restore read the disk with its files out of the page cache and nothing from L1;
-    a page-cache restore read (almost) nothing from the disk and nothing from L1."""
-    if r.get("l1_objects") or not r.get("l2_quiet"):
-        return False
-    io, objs = r.get("io_read_bytes"), r.get("object_bytes")
+def proof_problems(r: dict[str, Any]) -> list[str]:
+    """Why a restore's source is not proven (none: proven). Every restore: vLLM's prefix cache
+    reset and the connector's CPU copies cleared before it, nothing from either, a quiet
+    folder, a hit. A disk restore: none of the hit's files had a page in the page cache, and
+    the server read at least READ_SHARE of the bytes the hit needs. A page-cache restore: it
+    read at most PAGECACHE_READ_SHARE of them from the disk."""
+    bad = [k for k in ("prefix_reset", "l1_cleared", "l2_quiet") if r.get(k) is not True]
+    if r.get("local_hit_tokens"):
+        bad.append(f"vLLM's prefix cache served {r['local_hit_tokens']} tokens")
+    if r.get("l1_objects"):
+        bad.append(f"{r['l1_objects']} L1 objects")
+    if not r.get("hit_tokens"):
+        bad.append("no hit")
+    io, need = r.get("io_read_bytes"), r.get("needed_bytes")
+    if io is None or not need:
+        return [*bad, f"read {io}, needed {need}"]
     if r["kind"] == "pagecache":
-        return io is not None and objs is not None and io <= 0.05 * objs
-    resident, total = r.get("resident_bytes") or 0, r.get("bytes") or 0
-    return bool(io) and resident <= 0.01 * max(total, 1)
+        if io > PAGECACHE_READ_SHARE * need:
+            bad.append(f"read {io} of {need:.0f} bytes from the disk")
+        return bad
+    files = r.get("hit_files") or {}
+    if not files.get("files") or files.get("resident_files") or files.get("missing_files"):
+        bad.append(f"hit files {files}")
+    if io < READ_SHARE * need:
+        bad.append(f"read {io} of {need:.0f} bytes")
+    return bad
+
+
+def miss_record(c: dict[str, Any], stores: list[dict[str, Any]], end: float | None) -> dict:
+    """A cold with the connector storing, for the miss path: TTFT, prefill steps, the
+    connector's calls, the server's store lines until the next request, the L2 writes."""
+    start = (c.get("span") or [None])[0]
+    out = {k: c.get(k) for k in ("round", "ttft_s", "steps_s", "connector")}
+    out["writes"] = (c.get("settle") or {}).get("writes")
+    if start is not None:
+        out["server"] = miss_path.server_stores(stores, start, end or math.inf)
+    return out
 
 
 class Piece:
-    """One piece: a model, a length, a group of arms, a mode (CUDA graphs or eager)."""
+    """One piece: a model, a length, a group of arms, a mode (CUDA graphs or eager), run in
+    one command (stage ``all``) or two (``store``, then ``restore``, on the same machine)."""
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.a, self.py = a, sys.executable
@@ -234,11 +306,14 @@ class Piece:
             raise SystemExit(f"bench: unknown model {model!r}; one of {', '.join(MODELS)}")
         self.m, self.p = MODELS[model], LENGTHS.get(length) or int(length)
         self.mode = "eager" if a.eager else "graphs"
-        self.name = f"{self.m.name}-{self.p}-{a.group}-{self.mode}" + (
-            f"-{a.part}" if a.part else ""
-        )
+        self.name = f"{self.m.name}-{self.p}-{a.group}-{self.mode}"
+        self.wd = a.work / self.name
+        self.t0 = time.time()
+        self.deadline = self.t0 + a.budget_s
         self.rows: dict[str, dict[str, Any]] = {}
         self.info: dict[str, Any] = {}
+        self.handoff: dict[str, Any] = {}
+        self.complete = False
 
     def row(self, arm: str) -> dict[str, Any]:
         r = {
@@ -249,75 +324,192 @@ class Piece:
             "errors": [],
             "findings": [],
             "restores": [],
+            "baseline_colds": [],
             "colds_in_engine": [],
+            "fixed_probes": [],
         }
         return self.rows.setdefault(f"{self.m.name}:{self.p}:{arm}:{self.mode}", r)
 
     def save(self) -> None:
-        data = {"piece": self.name, "run": self.info, "rows": self.rows}
+        data = {"piece": self.name, "complete": self.complete, "run": self.info, "rows": self.rows}
         self.a.out.mkdir(parents=True, exist_ok=True)
         atomic_write(self.a.out / f"{self.name}.json", json.dumps(data, indent=1) + "\n")
 
-    def setup(self, lmc: Path | None, layout: str) -> tuple[Path, Path, dict[str, str]]:
-        shutil.rmtree(wd := self.a.work / self.name, ignore_errors=True)
-        wd.mkdir(parents=True)
+    def env(self, lmc: Path | None, layout: str) -> dict[str, str]:
+        env = child_env(lmc, layout)
+        env["PYTHONHASHSEED"] = "0"  # vLLM's block hashes name the OffloadingConnector's files
+        env.update(machine.compile_cache_env(self.a.compile_cache))
+        return env
+
+    def model_dir(self) -> Path:
         md = write_model_dir(self.m, self.a.work / "models")
         cfg = json.loads((md / "config.json").read_text())
         cfg.get("text_config", cfg)["max_position_embeddings"] = MAX_POSITIONS
         atomic_write(md / "config.json", json.dumps(cfg) + "\n")
-        env = child_env(lmc, layout)
-        env["PYTHONHASHSEED"] = "0"  # vLLM's block hashes name the OffloadingConnector's files
-        return wd, md, env
+        return md
+
+    def engine(self, env: dict[str, str], spec: dict[str, Any], role: str) -> dict[str, Any]:
+        """One engine under this command's deadline; its read-back mode checked."""
+        deadline = self.deadline - (CEILING_RESERVE_S if role == "restore" else 0.0)
+        if (left := deadline - time.time()) < ENGINE_START_S:
+            raise RuntimeError(f"{role} engine: {left:.0f} s left of --budget-s, not started")
+        spec["deadline"] = deadline
+        timeout = min(self.a.engine_timeout, deadline + ENGINE_TEARDOWN_S - time.time())
+        res = run_engine(self.py, env, spec, self.wd, role, timeout)
+        read = res.get("engine_mode")
+        self.info.setdefault("engines", {})[role] = {
+            k: res.get(k) for k in ("ok", "engine_up_s", "process_s", "cut_by_deadline")
+        } | {"engine_mode": read, "read_back": mode_of(read) if read else None}
+        if not res.get("ok"):
+            raise RuntimeError(f"{role} engine: {str(res.get('error'))[-1500:]}")
+        if mode_of(read) != self.mode:
+            raise RuntimeError(f"{role} engine runs {mode_of(read)} ({read}), not {self.mode}")
+        return res
+
+    def describe(self, stage: str) -> None:
+        a = self.a
+        versions = collect_environment(self.py, a.lmcache_dir)["versions"]
+        run = {
+            "versions": versions,
+            "software": machine.software(versions),
+            "revision": machine.wheel_revision(a.lmcache_dir),
+            "gpus": machine.gpus(),
+            "host": machine.host(a.work),
+            "code": machine.code_digest(),
+        }
+        run["identity"] = machine.identity(run)
+        if a.group == "lmcache056":  # the peer's version, checked at the merge
+            run["peers"] = {"lmcache056": machine.dist_version(a.l056_dir, "lmcache")}
+        stamp = {
+            "started": _dt.datetime.now().isoformat(timespec="seconds"),
+            "argv": sys.argv[1:],
+            "compile_cache": {
+                "folder": str(a.compile_cache.resolve()),
+                "before": machine.folder_summary(a.compile_cache),
+            },
+        }
+        if stage == "restore":
+            same = ("identity", "code")
+            ids = ("host_id", "boot_id")
+            if any(self.info.get(k) != run[k] for k in same) or any(
+                self.info["host"].get(k) != run["host"].get(k) for k in ids
+            ):
+                raise RuntimeError(
+                    "the store stage ran on another machine, boot, software or code: "
+                    f"{[self.info.get(k) for k in same]} vs {[run[k] for k in same]}"
+                )
+        self.info.update(run)
+        self.info.setdefault("stages", {})[stage] = stamp
+        self.info.update(model=self.m.name, prompt_tokens=self.p, group=a.group, mode=self.mode)
+        self.info.update(rounds=a.rounds, max_model_len=max_model_len(self.m))
+        self.info["budget_s"] = a.budget_s
 
     def run(self) -> None:
         a = self.a
-        lmc = {"lmcache": a.lmcache_dir, "lmcache056": a.l056_dir}.get(a.group)
-        self.info = {
-            "started": _dt.datetime.now().isoformat(timespec="seconds"),
-            "argv": sys.argv[1:],
-            **collect_environment(self.py, a.lmcache_dir),
-            "rounds": a.rounds,
-        }
+        stage = "all" if a.group.startswith("warmup") else a.stage
         for arm in GROUPS[a.group][0]:
             self.row(arm)
+        if stage == "restore":
+            try:
+                self.load_handoff()
+            except RuntimeError as e:  # the store stage's piece file stays as it is
+                self.info["error"] = str(e)
+                return
+        else:
+            shutil.rmtree(self.wd, ignore_errors=True)
+            self.wd.mkdir(parents=True)
         try:
-            if a.group in ("warmup", "cold"):
-                self.cold_engine()
+            self.describe(stage)
+            self.save()
+            if a.group.startswith("warmup"):
+                self.warmup()
             else:
-                self.info["ceiling"] = floor.ceiling_probe(
-                    a.work / "ceiling", fa_object_bytes(self.m), CEILING_BYTES
-                )
-                self.save()
-                self.restore_group(lmc)
+                self.restore_group(stage)
         except (Skipped, RuntimeError, ServerError, OSError) as e:
             for r in self.rows.values():
-                r["errors"].append(f"{type(e).__name__}: {e}"[-1500:])
+                r["errors"].append(f"{stage}: {type(e).__name__}: {e}"[-1500:])
+            self.info["error"] = f"{stage}: {type(e).__name__}: {e}"[-1500:]
+        finally:
+            for leftover in Path("/dev/shm").glob("vllm_offload_hybridfa-bench-*"):
+                leftover.unlink(missing_ok=True)
+        cache = self.info.get("stages", {}).get(stage, {}).get("compile_cache")
+        if cache is not None:
+            cache["after"] = machine.folder_summary(a.compile_cache)
+        self.info.setdefault("stages", {}).setdefault(stage, {})["ended_s"] = round(
+            time.time() - self.t0, 1
+        )
         for r in self.rows.values():
             r["ok"] = not r["errors"]
         self.save()
+        if stage == "store" and self.handoff and "error" not in self.info:
+            self.handoff.update(info=self.info, rows=self.rows)
+            atomic_write(self.handoff_path(), json.dumps(self.handoff))
 
-    def cold_engine(self) -> None:
-        """warmup: one prefill per length up to this one; cold: ``rounds`` colds, no connector."""
-        wd, md, env = self.setup(None, "NHD")
-        spec = engine_spec(self.m, self.p, self.a.group, md, self.a.eager)
-        if self.a.group == "warmup":
-            spec["warm_prompts"] = [prompt(q, "W") for q in LENGTHS.values() if q <= self.p]
-        spec["cold_prompts"] = [prompt(self.p, f"cold-{i}") for i in range(self.a.rounds)]
-        res = run_engine(self.py, env, spec, wd, self.a.group, self.a.engine_timeout)
-        self.info["engine"] = {k: res.get(k) for k in ("ok", "engine_up_s", "process_s")}
-        if not res.get("ok"):
-            raise RuntimeError(f"{self.a.group} engine: {str(res.get('error'))[-1500:]}")
-        if self.a.group == "cold":
-            self.row("cold")["colds_in_engine"] = [c["ttft_s"] for c in res["requests"]]
+    def warmup(self) -> None:
+        """One engine without a connector, a prefill of every length up to this one."""
+        layout = "HND" if self.a.group == "warmup-hnd" else "NHD"
+        spec = engine_spec(self.m, self.p, "warmup", self.model_dir(), self.a.eager)
+        spec["warm_prompts"] = [prompt(q, "W") for q in LENGTHS.values() if q <= self.p]
+        res = self.engine(self.env(None, layout), spec, "warmup")
+        self.info["warm_ttft_s"] = [w.get("ttft_s") for w in res.get("warm") or []]
+        self.complete = True
 
-    def restore_group(self, lmc: Path | None) -> None:
-        """Store, kill engine and server, start new ones, restore in rounds (bench_engine)."""
-        a, m, p, pb = self.a, self.m, self.p, prompt_bytes(self.m, self.p)
-        offload = a.group == "offloading"
+    def handoff_path(self) -> Path:
+        return self.wd / "handoff.json"
+
+    def load_handoff(self) -> None:
+        """The store stage's state: its run, rows (the baseline colds), stored prompts."""
+        try:
+            h = json.loads(self.handoff_path().read_text())
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"no store stage of {self.name} in {self.wd}: {e}") from e
+        self.info, self.rows, self.handoff = h["info"], h["rows"], h
+        for i, files in enumerate(h["stored_files"]):
+            for f, size in files.items():
+                if not os.path.exists(f) or os.path.getsize(f) != size:
+                    raise RuntimeError(f"stored prompt {i}'s file {f} changed since the store")
+
+    def clear_other_tiers(self) -> list[str]:
+        """Tiers other pieces' store stages left (a store stage whose restore never ran)."""
+        gone = []
+        for d in self.a.work.glob("*/tier"):
+            if d.parent != self.wd:
+                shutil.rmtree(d, ignore_errors=True)
+                gone.append(d.parent.name)
+        return gone
+
+    def restore_group(self, stage: str) -> None:
+        a = self.a
+        lmc = {"lmcache": a.lmcache_dir, "lmcache056": a.l056_dir}.get(a.group)
         if lmc and not (Path(lmc) / "lmcache").is_dir():
             raise Skipped(f"no lmcache installed in {lmc}")
-        wd, md, env = self.setup(lmc, "HND" if offload else "NHD")
-        tier, procs = wd / "tier", []
+        if stage != "restore":
+            self.store_part(lmc)
+            if stage == "store":
+                return
+        self.restore_part(lmc)
+        self.complete = True
+
+    def connector(self, lmc: Path | None, role: str, tier: Path, procs: list[Any]) -> dict:
+        """The engine's connector; an LMCache server of its own (into ``procs``)."""
+        if self.a.group == "offloading":
+            cpu = int(self.info["disk_plan"]["cpu_tier"])
+            eid = f"hybridfa-bench-{os.getpid()}-{role}"
+            return {"kv_transfer_config": offloading_transfer_config(tier, cpu, eid)}
+        port, pb = free_port(), prompt_bytes(self.m, self.p)
+        l1 = max(4, math.ceil(2.5 * pb / GB) + 2)
+        log = self.wd / f"server-{role}.log"
+        env = self.env(lmc, "NHD")
+        procs.append(start_server(self.py, env, port, block(self.m), tier, log, l1_size_gb=l1))
+        return {"lmcache": port}
+
+    def store_part(self, lmc: Path | None) -> None:
+        """The baseline (no connector), then the store engine; the state the restore needs
+        goes to the handoff file."""
+        a, m, p, pb = self.a, self.m, self.p, prompt_bytes(self.m, self.p)
+        offload = a.group == "offloading"
+        self.info["removed_leftover_tiers"] = self.clear_other_tiers()
+        tier = self.wd / "tier"
         tier.mkdir()
         k = disk_plan(pb, shutil.disk_usage(tier).free, a.rounds)
         shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
@@ -325,81 +517,127 @@ class Piece:
         if offload and cpu < pb:
             raise Skipped(f"/dev/shm has no room for a {pb / GB:.1f} GB CPU tier")
         self.info["disk_plan"] = {"prompt_bytes": pb, "stored_prompts": k, "cpu_tier": cpu}
-        stored = [prompt(p, f"S{i}") for i in range(k)]
+        md = self.model_dir()
+        colds = [prompt(p, f"cold-{i}") for i in range(a.rounds)]
 
-        def connector(role: str) -> dict[str, Any]:
-            if offload:
-                eid = f"hybridfa-bench-{os.getpid()}-{role}"
-                return {"kv_transfer_config": offloading_transfer_config(tier, cpu, eid)}
-            port, l1 = free_port(), max(4, math.ceil(2.5 * pb / GB) + 2)
-            log = wd / f"server-{role}.log"
-            procs.append(start_server(self.py, env, port, block(m), tier, log, l1_size_gb=l1))
-            return {"lmcache": port}
+        spec = engine_spec(m, p, "cold", md, a.eager)
+        spec["cold_prompts"] = colds
+        base = self.engine(self.env(None, "NHD"), spec, "cold")["requests"]
+        for r in self.rows.values():
+            r["baseline_colds"] = [c["ttft_s"] for c in base]
+        self.save()
 
+        procs: list[Any] = []
         try:
-            spec = engine_spec(m, p, "store", md, a.eager, connector("store"))
-            spec.update(stored=stored, tier=str(tier))
-            store = run_engine(self.py, env, spec, wd, "store", a.engine_timeout)
-            if procs:
-                kill_group(procs.pop())
-            if not store.get("ok") or not store["l2"]["quiet"]:
-                raise RuntimeError(f"store engine: {str(store.get('error'))[-1500:]}")
-            self.info["store"] = {k: store.get(k) for k in ("engine_up_s", "process_s", "l2")}
-            inv = {} if offload else l2_tiers.folder_inventory(tier)
-            spec = engine_spec(m, p, "restore", md, a.eager, connector("restore"))
-            spec.update(stored=stored, tier=str(tier), rounds=a.rounds)
+            conn = self.connector(lmc, "store", tier, procs)
+            spec = engine_spec(m, p, "store", md, a.eager, conn)
+            spec.update(stored=[prompt(p, f"S{i}") for i in range(k)], tier=str(tier))
+            store = self.engine(self.env(lmc, "HND" if offload else "NHD"), spec, "store")
+        finally:
+            for proc in procs:
+                kill_group(proc)
+        if not store["l2"]["quiet"] or not store["stored"]:
+            raise RuntimeError(f"store engine: L2 {store['l2']}, {len(store['stored'])} stored")
+        self.info["store"] = {"l2": store["l2"], "stored": len(store["stored"])}
+        keep = ("tokens", "kv_hashes", "files")
+        self.handoff = {
+            "info": self.info,
+            "rows": self.rows,
+            "baseline": base,
+            "stored": [{x: s.get(x) for x in keep} for s in store["stored"]],
+            "stored_files": [s["files"] for s in store["stored"]],
+            "inventory": {} if offload else l2_tiers.folder_inventory(tier),
+        }
+
+    def restore_part(self, lmc: Path | None) -> None:
+        """The restore engine after the restart; then the tier removed, the ceiling probe."""
+        a, m, p, h = self.a, self.m, self.p, self.handoff
+        offload, tier, procs = a.group == "offloading", self.wd / "tier", []
+        ctx: dict[str, Any] = {"tokens_count": ENGINE[m.name][1] is not None}
+        ctx["needed_from"] = "server_log" if a.group == "lmcache" else "stored_files"
+        try:
+            conn = self.connector(lmc, "restore", tier, procs)
+            spec = engine_spec(m, p, "restore", self.model_dir(), a.eager, conn)
+            k = len(h["stored"])
+            spec.update(stored=[prompt(p, f"S{i}") for i in range(k)], tier=str(tier))
+            spec.update(stored_files=[list(f) for f in h["stored_files"]], rounds=a.rounds)
             spec.update(kinds=list(GROUPS[a.group][1]))
             spec["cold_prompts"] = [prompt(p, f"cold-{i}") for i in range(a.rounds)]
             if procs:
                 spec.update(io_pid=procs[-1].pid, clear_url=self.clear_url(procs[-1]))
-            res = run_engine(self.py, env, spec, wd, "restore", a.engine_timeout)
-            ctx: dict[str, Any] = {}
+            try:
+                res = self.engine(self.env(lmc, "HND" if offload else "NHD"), spec, "restore")
+            finally:
+                for proc in procs:
+                    kill_group(proc)
             if procs:
-                kill_group(procs.pop())
-                ctx = parse_server_log((wd / "server-restore.log").read_text(errors="replace"))
-                ctx.update(groups=object_group_means(inv), fa=fa_object_bytes(m))
-            self.info["restore_engine"] = {k: res.get(k) for k in ("engine_up_s", "process_s")}
-            if not res.get("ok"):
-                raise RuntimeError(f"restore engine: {str(res.get('error'))[-1500:]}")
-            self.fill(res, store["stored"], ctx)
+                log = (self.wd / "server-restore.log").read_text(errors="replace")
+                ctx.update(parse_server_log(log))
+                ctx.update(groups=object_group_means(h["inventory"]), fa=fa_object_bytes(m))
+            self.fill(res, h["stored"], h["baseline"], ctx)
         finally:
-            for proc in procs:
-                kill_group(proc)
-            for leftover in Path("/dev/shm").glob("vllm_offload_hybridfa-bench-*"):
-                leftover.unlink(missing_ok=True)
             shutil.rmtree(tier, ignore_errors=True)
+        self.info["ceiling"] = floor.ceiling_probe(
+            a.work / "ceiling", fa_object_bytes(m), CEILING_BYTES
+        )
 
     @staticmethod
     def clear_url(proc: Any) -> str | None:
         port = http_port(proc)
         return f"http://127.0.0.1:{port}/cache/clear" if port else None
 
-    def fill(self, res: dict[str, Any], stored: list[dict[str, Any]], ctx: dict[str, Any]) -> None:
+    def fill(
+        self,
+        res: dict[str, Any],
+        stored: list[dict[str, Any]],
+        baseline: list[dict[str, Any]],
+        ctx: dict[str, Any],
+    ) -> None:
+        """The restore engine's rounds into the rows: each restore judged, the colds (the
+        cost of a miss, with the miss path), the fixed-cost probes."""
         arms = KIND_ARM.get(self.a.group) or {"disk": self.a.group}
-        colds = [r["ttft_s"] for r in res["requests"] if r["kind"] == "cold"]
-        for r in res["requests"]:
+        first = self.row(arms["disk"])
+        reqs = res["requests"]
+        misses, fixed = [], []
+        for i, r in enumerate(reqs):
+            end = (reqs[i + 1].get("span") or [None])[0] if i + 1 < len(reqs) else None
             if r["kind"] == "cold":
+                misses.append(miss_record(r, ctx.get("stores") or [], end))
+                continue
+            if r["kind"] == "fixed":
+                local = r.get("local_cached_tokens") or 0
+                ok = local >= required_hit(self.p, block(self.m))
+                fixed.append(r["ttft_s"] if ok else None)
+                if not ok:
+                    finding(first, f"round {r['round']}: fixed probe hit {local} tokens, left out")
                 continue
             row = self.row(arms[r["kind"]])
             got = judge_restore(r, stored[r["stored_index"]], self.m, self.p, ctx)
             row["restores"].append(got)
-            what = f"round {got['round']}"
+            what = f"round {got['round']} {r['kind']}"
             if not got["correct"]:
                 kv = "equal" if got["kv_match"] else f"differ {got['kv_mismatches']}"
                 finding(
                     row,
-                    f"{what}: hit {got['hit_tokens']}, KV bytes {kv}, tokens equal: "
+                    f"{what}: hit {got['hit_tokens']}, restored KV bytes {kv}, tokens equal: "
                     f"{got['tokens_match']}",
                 )
             if not got["proven"]:
-                finding(
-                    row,
-                    f"{what}: source not proven {r['kind']} (resident "
-                    f"{got['resident_bytes']}, read {got['io_read_bytes']}, L1 objects "
-                    f"{got.get('l1_objects')}, quiet {got['l2_quiet']})",
-                )
+                finding(row, f"{what}: source not proven: {'; '.join(got['unproven'])}")
         for arm in set(arms.values()):
-            self.row(arm)["colds_in_engine"] = colds
+            self.row(arm)["colds_in_engine"] = [x["ttft_s"] for x in misses]
+            self.row(arm)["fixed_probes"] = fixed
+        base = [{k: c.get(k) for k in ("ttft_s", "steps_s")} for c in baseline]
+        first["miss_path"] = {
+            "colds": misses,
+            "baseline": base,
+            "summary": miss_path.summarize(misses, base),
+        }
+        self.info["restore"] = {
+            "rounds_run": len({r.get("round") for r in reqs}),
+            "warm_restore_ttft_s": (res.get("warm_restore") or {}).get("ttft_s"),
+            "timed_methods": res.get("timed_methods"),
+        }
 
 
 def main(argv: Sequence[str] | None = None) -> int | str:
@@ -409,32 +647,43 @@ def main(argv: Sequence[str] | None = None) -> int | str:
     pc.add_argument("--case", required=True, help="model:length, e.g. qwen35-9b:26k")
     pc.add_argument("--group", required=True, choices=list(GROUPS))
     pc.add_argument("--eager", action="store_true", help="the labelled eager arm")
+    pc.add_argument(
+        "--stage",
+        choices=("all", "store", "restore"),
+        default="all",
+        help="all: one command; store, then restore: the piece split at the restart",
+    )
     pc.add_argument("--rounds", type=int, default=5, help="colds and restores per arm")
     pc.add_argument(
-        "--part", default="", help="a label: pieces of one row with other labels add up"
+        "--budget-s", type=float, default=540.0, help="this command ends within it plus 30 s"
     )
     pc.add_argument("--lmcache-dir", type=Path, required=True, help="this wheel (pip --target)")
     pc.add_argument("--l056-dir", type=Path, default=Path("/tmp/lmc-056"), help="lmcache 0.5.6")
     pc.add_argument("--out", type=Path, default=Path("results/pieces"), help="pieces' folder")
     pc.add_argument("--work", type=Path, default=Path("/tmp/hybridfa-bench"), help="L2, logs")
-    pc.add_argument("--engine-timeout", type=float, default=480.0)
-    mg = sub.add_parser("merge", help="merge pieces into one JSON, markdown and plots")
+    pc.add_argument(
+        "--compile-cache",
+        type=Path,
+        default=Path("/tmp/hybridfa-bench-cache"),
+        help="every engine's compile caches (vLLM, inductor, Triton, FlashInfer)",
+    )
+    pc.add_argument("--engine-timeout", type=float, default=600.0, help="at most, per engine")
+    mg = sub.add_parser("merge", help="merge pieces into reports (JSON, markdown, plots)")
     mg.add_argument("pieces", type=Path, nargs="+", help="piece files or folders")
     mg.add_argument("--results", type=Path, default=Path("results/bench-gpu.json"))
     a = ap.parse_args(argv)
     if a.cmd == "merge":
         files = [f for x in a.pieces for f in (sorted(x.glob("*.json")) if x.is_dir() else [x])]
-        results = merge_pieces([json.loads(f.read_text()) for f in files])
-        write_results(results, a.results)
-        print(a.results.with_suffix(".md").read_text())
+        for path, plots in write_merged([json.loads(f.read_text()) for f in files], a.results):
+            print(f"[bench] wrote {path} and {path.with_suffix('.md')}; plots: {plots}")
         return 0
     a.lmcache_dir = a.lmcache_dir.resolve()
     install_cleanup_handler()
     a.work.mkdir(parents=True, exist_ok=True)
     piece = Piece(a)
     piece.run()
-    bad = [e for r in piece.rows.values() for e in r["errors"]]
-    return f"bench: {piece.name}: {bad[0][:600]}" if bad else 0
+    bad = [e for r in piece.rows.values() for e in r["errors"]] or [piece.info.get("error")]
+    return f"bench: {piece.name}: {bad[0][:600]}" if bad[0] else 0
 
 
 if __name__ == "__main__":

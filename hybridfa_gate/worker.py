@@ -149,7 +149,8 @@ def copy_checkpoints(
 
 
 def rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
-    """Per-layer, per-logical-block blake2b of the request's KV, layout independent.
+    """Per-layer, per-logical-block digests (``digest_rows``) of the request's KV, layout
+    independent.
 
     FA (FlashInfer's (B_kernel, H, page, 2*hs), NHD or HND in memory): logical block L is
     kernel pages L*r .. L*r+r-1, its token slots hashed in token order up to the prompt's end.
@@ -179,14 +180,84 @@ def rpc_block_hashes(self: Any, req_id: str, prompt_tokens: int, only: list[int]
     return {"rank": rank_of(self), **res}
 
 
-def digest(parts: list[Any]) -> str:
-    """blake2b of the tensors' bytes, in order."""
-    import hashlib
+# The KV digest: two lanes of sum(w_i * x_i) mod 2**61 - 1 over the bytes' 32-bit words x_i, with
+# fixed pseudo-random weights w_i in [1, 2**31) per word position. Exact integer arithmetic on
+# the tensor's own device (no product or sum leaves int64): the KV stays on the GPU and only 16
+# bytes per block reach the host. Any change to one word changes both lanes (w_i is invertible
+# mod the prime); a random change of several collides with odds of about 2**-122.
+_PRIME = (1 << 61) - 1
+_SEED = 0x6B76_6861_7368
+_BATCH_BYTES = 64 << 20  # input bytes digested at once (the int64 temporaries are 2-4x)
+_WEIGHTS: dict[tuple[int, str], Any] = {}
 
+
+def _weights(words: int, device: Any) -> Any:
+    """(2, words) int64 weights in [1, 2**31), the same for a length on every device."""
     import torch
 
-    data = torch.cat([t.contiguous().flatten().view(torch.uint8) for t in parts])
-    return hashlib.blake2b(data.cpu().numpy().tobytes(), digest_size=16).hexdigest()
+    key = (words, str(device))
+    if key not in _WEIGHTS:
+        if len(_WEIGHTS) > 64:
+            _WEIGHTS.clear()
+        gen = torch.Generator(device="cpu").manual_seed(_SEED ^ words)
+        w = torch.randint(1, 1 << 31, (2, words), generator=gen, dtype=torch.int64)
+        _WEIGHTS[key] = w.to(device)
+    return _WEIGHTS[key]
+
+
+def _fold(x: Any) -> Any:
+    """Row sums mod the prime of (rows, k) values in [0, prime): four at a time, which stay
+    below 2**63."""
+    import torch
+
+    while x.shape[1] > 1:
+        if pad := -x.shape[1] % 4:
+            x = torch.cat([x, x.new_zeros(x.shape[0], pad)], dim=1)
+        x = x.view(x.shape[0], -1, 4).sum(dim=2) % _PRIME
+    return x[:, 0]
+
+
+def digest_rows(rows: Any) -> list[str]:
+    """One digest per row of a (rows, bytes) uint8 tensor: 32 hex digits, on its device."""
+    import torch
+
+    if pad := -rows.shape[1] % 4:
+        rows = torch.cat([rows, rows.new_zeros(rows.shape[0], pad)], dim=1)
+    words = rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if words.shape[1] == 0:
+        return ["0" * 32] * rows.shape[0]
+    lanes = [_fold(words * w % _PRIME).tolist() for w in _weights(words.shape[1], rows.device)]
+    return [f"{a:016x}{b:016x}" for a, b in zip(*lanes, strict=True)]
+
+
+def _as_rows(parts: list[Any]) -> Any:
+    """(rows, bytes) uint8: each part (rows, ...) flattened per row, the parts side by side."""
+    import torch
+
+    flat = [p.contiguous().reshape(p.shape[0], -1) for p in parts]
+    return torch.cat([f.view(torch.uint8).reshape(f.shape[0], -1) for f in flat], dim=1)
+
+
+def digest(parts: list[Any]) -> str:
+    """The digest of the tensors' bytes, in order (``digest_rows`` of one row)."""
+    return digest_rows(_as_rows([p.reshape(1, -1) for p in parts]))[0]
+
+
+def _batches(items: list[Any], item_bytes: int) -> Iterator[list[Any]]:
+    step = max(1, _BATCH_BYTES // max(item_bytes, 1))
+    for i in range(0, len(items), step):
+        yield items[i : i + step]
+
+
+def _fa_rows(kv: Any, ids: list[int], r: int) -> Any:
+    """Blocks ``ids`` of a FlashInfer cache (B_kernel, H, page, 2hs) in token order:
+    (len(ids), r * page, H, 2hs)."""
+    import torch
+
+    pages = torch.tensor([b * r + i for b in ids for i in range(r)], device=kv.device)
+    got = kv.index_select(0, pages)  # (len(ids) * r, H, page, 2hs)
+    got = got.view(len(ids), r, *kv.shape[1:]).permute(0, 1, 3, 2, 4)
+    return got.reshape(len(ids), r * kv.shape[2], kv.shape[1], kv.shape[3])
 
 
 def hash_blocks(
@@ -206,8 +277,14 @@ def hash_blocks(
             nblocks = prompt_tokens // n if gdn else -(-prompt_tokens // n)
             js = [j for j in range(min(nblocks, len(ids))) if only is None or j in only]
             wanted = [(j, ids[j]) for j in js if ids[j] != 0]  # 0: the null block
+            out: dict[str, str] = {}
             if gdn:
-                res["gdn"][layer] = {str(j): digest([s[b] for s in kv]) for j, b in wanted}
+                size = sum(s[0].numel() * s.element_size() for s in kv) if wanted else 0
+                for batch in _batches(wanted, size):
+                    idx = torch.tensor([b for _, b in batch], device=kv[0].device)
+                    rows = _as_rows([s.index_select(0, idx) for s in kv])
+                    out.update(zip((str(j) for j, _ in batch), digest_rows(rows), strict=True))
+                res["gdn"][layer] = out
                 continue
             if kv.dim() != 4:
                 raise RuntimeError(f"{layer}: unexpected FA cache rank {kv.dim()}")
@@ -217,10 +294,13 @@ def hash_blocks(
             # the strides cannot tell, so report nothing.
             if kv.shape[1] > 1:
                 res["layout"] = "NHD" if kv.stride(2) > kv.stride(1) else "HND"
-            fa: dict[str, str] = {}
-            for j, b in wanted:
-                pages = kv[b * r : (b + 1) * r]  # (r, H, page, 2hs)
-                tok = pages.permute(0, 2, 1, 3).reshape(r * page, kv.shape[1], kv.shape[3])
-                fa[str(j)] = digest([tok[: min(n, prompt_tokens - j * n)]])
-            res["fa"][layer] = fa
+            full = [(j, b) for j, b in wanted if (j + 1) * n <= prompt_tokens]
+            size = n * kv[0].numel() // page * kv.element_size()
+            for batch in _batches(full, size):
+                rows = _as_rows([_fa_rows(kv, [b for _, b in batch], r)])
+                out.update(zip((str(j) for j, _ in batch), digest_rows(rows), strict=True))
+            for j, b in (x for x in wanted if x not in full):  # the prompt's partial last block
+                tok = _fa_rows(kv, [b], r)[:, : prompt_tokens - j * n]
+                out[str(j)] = digest_rows(_as_rows([tok]))[0]
+            res["fa"][layer] = out
     return res

@@ -18,7 +18,18 @@ def test_mincore_sees_a_file_leave_the_page_cache_and_come_back(tmp_path: Path) 
     path.read_bytes()
     assert floor.resident_bytes(path) == 1 << 20
     assert dropped < 1 << 20 or fs_l2_read.machine(tmp_path)["fs"] == "tmpfs"  # keeps its pages
-    assert floor.residency([path, tmp_path / "gone"])["bytes"] == 1 << 20
+
+
+def test_residency_counts_each_file_with_a_page_in_the_cache(tmp_path: Path) -> None:
+    paths = [tmp_path / f"{i}.data" for i in range(3)]
+    for p in paths:
+        p.write_bytes(os.urandom(1 << 16))
+    floor.drop_cache(paths)
+    paths[1].read_bytes()
+    got = floor.residency([*paths, tmp_path / "gone.data"])
+    assert got["files"] == 3 and got["bytes"] == 3 << 16 and got["missing_files"] == 1
+    resident = 3 if fs_l2_read.machine(tmp_path)["fs"] == "tmpfs" else 1  # tmpfs keeps pages
+    assert got["resident_files"] == resident and got["resident_bytes"] == resident << 16
 
 
 def test_an_empty_file_has_nothing_resident(tmp_path: Path) -> None:
@@ -59,12 +70,6 @@ def test_the_ceiling_probe_reads_with_many_files_in_flight(tmp_path: Path) -> No
     assert {"buffered-4", "cached-4"} <= set(res["passes"])
     assert res["passes"]["direct-4"] or res["direct-4_error"]  # tmpfs refuses O_DIRECT
     assert not list(tmp_path.iterdir())
-
-
-def test_the_fixed_cost_is_the_tail_prefill_and_first_token_steps() -> None:
-    timeline = {"steps_after_hit": [[0.6, 0.0004], [0.61, 0.0003], [0.62, 0.077], [0.7, 0.055]]}
-    assert floor.fixed_cost(timeline) == pytest.approx(0.132)
-    assert floor.fixed_cost({"steps_after_hit": [[0.6, 0.1]]}) is None
 
 
 def test_the_floor_is_bytes_at_the_ceiling_plus_the_fixed_cost() -> None:
