@@ -24,6 +24,20 @@ def tier_secret_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
         os.environ["XDG_CONFIG_HOME"] = before
 
 
+@pytest.fixture(autouse=True, scope="session")
+def digest_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """$XDG_CACHE_HOME in a temp folder: the connector keeps its weight-file digests
+    there (lmcache-hybridfa/file-digests), not in the user's home."""
+    home = tmp_path_factory.mktemp("xdg-cache")
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(home)
+    yield home
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 @pytest.fixture
 def adapter(tmp_path: Path) -> Iterator[Any]:
     """LMCache's real fs L2 adapter (FSL2Adapter) on ``tmp_path / "l2"``."""

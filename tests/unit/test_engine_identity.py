@@ -2,9 +2,9 @@
 
 vLLM's KV cache spec says nothing of the weights an engine computes its KV with: new
 weights under the same path (a new checkpoint copied over the old one) kept hitting
-the old KV. The connector keys a digest of the weight files (their names, sizes and
-contents, not their times or inodes: two nodes holding the same files share the
-cache). Each test stores through a whole LMCache server on CPU over an fs L2 folder,
+the old KV. The connector keys a digest of every byte of the weight files (their
+names and contents, not their times or inodes: two nodes holding the same files share
+the cache). Each test stores through a whole LMCache server on CPU over an fs L2 folder,
 registered through the real worker-side connector, and restarts it.
 """
 
@@ -30,7 +30,7 @@ from vllm_sched_fakes import (  # noqa: E402
     make_kv_cache_config,
 )
 
-WEIGHTS_BYTES = 6 << 20  # larger than what the digest hashes whole
+WEIGHTS_BYTES = 6 << 20
 
 
 def write_model(path: Path, seed: int) -> Path:
@@ -52,6 +52,24 @@ def test_new_weights_under_the_same_path_miss(real_servers, tmp_path):
     os.utime(weights / "model.safetensors", ns=(before.st_atime_ns, before.st_mtime_ns))
     assert restore_compared(real_servers, l2, setup, src) == 0, (
         "KV computed with the old weights was restored into an engine with new weights"
+    )
+
+
+@pytest.mark.fix
+def test_a_small_edit_in_place_of_a_large_shard_misses(real_servers, tmp_path):
+    l2, weights = tmp_path / "l2", tmp_path / "model"
+    write_model(weights, seed=1)
+    shard = weights / "model.safetensors"
+    shard.write_bytes(random.Random(1).randbytes(64 << 20))
+    setup = BASE.but(engine=Engine(weights=str(weights)))
+    src = store(real_servers, l2, setup)
+    before = shard.stat()
+    with shard.open("r+b") as f:  # 4 KiB between two of the samples a digest could take
+        f.seek(32 << 10)
+        f.write(random.Random(2).randbytes(4 << 10))
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert restore_compared(real_servers, l2, setup, src) == 0, (
+        "KV computed before a 4 KiB edit of the weights was restored after it"
     )
 
 

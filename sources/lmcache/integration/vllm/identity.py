@@ -36,9 +36,6 @@ except ImportError:  # the 0.5.3 series adds the same
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _CONFIG_FILES = ("config.json", "adapter_config.json")
-_WHOLE_FILE_BYTES = 4 << 20
-_SAMPLE_BYTES = 16 << 10
-_SAMPLES = 1024  # per directory, spread over its large files
 _UNQUANTIZED_KV = ("auto", "float16", "bfloat16", "float32", "float", "half")
 DIGEST_CHARS = 32
 
@@ -48,14 +45,13 @@ def _digest(text: str) -> str:
 
 
 def weights_digest(directory: str) -> str | None:
-    """A digest of the weight and config files in ``directory``, the same on every
-    node that holds the same files; None where none is readable.
+    """A digest of every byte of the weight and config files in ``directory``, the
+    same on every node that holds the same files; None where none is readable.
 
-    Small files are hashed whole. Of a large file its name, size and evenly spaced
-    samples are hashed, not every byte: another checkpoint (another training run,
-    fine-tune or quantization) differs nearly everywhere, so the samples tell it
-    apart in milliseconds. An edit in place of a small part of the weights may go
-    unnoticed; give such weights another path or revision.
+    Each file is hashed whole once per version of it on this node: its digest is
+    kept in the user's cache (:func:`file_digest`) under its path, size, inode and
+    modification and change times, so a file written again in any way is read
+    again. Only names and contents enter the digest.
     """
     try:
         names = sorted(
@@ -63,34 +59,48 @@ def weights_digest(directory: str) -> str | None:
             for n in os.listdir(directory)
             if n.endswith(_WEIGHT_SUFFIXES) or n in _CONFIG_FILES
         )
-        files = []
+        h = blake3.blake3()
         for name in names:
-            st = os.stat(os.path.join(directory, name))
-            files.append(
-                (name, st.st_size, (st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
-            )
-        return _content_digest(directory, tuple(files)) if files else None
+            h.update(f"{name}\0{file_digest(os.path.join(directory, name))}\0".encode())
     except OSError:
         return None
+    return h.hexdigest()[:DIGEST_CHARS] if names else None
 
 
-@functools.lru_cache(maxsize=64)
-def _content_digest(directory: str, files: tuple[tuple[str, int, Any], ...]) -> str:
-    """Cached by each file's name, size and stat times: a file written again (its
-    ctime changes) is read again. Only names, sizes and contents are hashed."""
-    large = sum(1 for _, size, _ in files if size > _WHOLE_FILE_BYTES)
-    samples = max(8, _SAMPLES // max(1, large))
-    h = blake3.blake3()
-    for name, size, _ in files:
-        h.update(f"{name}\0{size}\0".encode())
-        with open(os.path.join(directory, name), "rb") as f:
-            if size <= _WHOLE_FILE_BYTES:
-                h.update(f.read())
-                continue
-            for i in range(samples):
-                f.seek(i * (size - _SAMPLE_BYTES) // (samples - 1))
-                h.update(f.read(_SAMPLE_BYTES))
-    return h.hexdigest()[:DIGEST_CHARS]
+def _digest_cache() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lmcache-hybridfa", "file-digests")
+
+
+def file_digest(path: str) -> str:
+    """blake3 of a file's bytes, kept in ``$XDG_CACHE_HOME/lmcache-hybridfa`` under
+    what any write changes (size, inode, device, mtime_ns and ctime_ns, which no
+    user can set back). Whoever can write that folder (the user) could plant a
+    digest; where it is not writable the file is hashed every time."""
+    path = os.path.realpath(path)
+    st = os.stat(path)
+    stamp = f"{path}\0{st.st_size}\0{st.st_ino}\0{st.st_dev}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+    entry = os.path.join(_digest_cache(), blake3.blake3(stamp.encode()).hexdigest()[:32])
+    try:
+        with open(entry, encoding="ascii") as f:
+            cached = f.read()
+        if len(cached) == 64:
+            return cached
+    except OSError:
+        pass
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if st.st_size:
+        h.update_mmap(path)
+    digest = h.hexdigest()
+    try:
+        os.makedirs(os.path.dirname(entry), mode=0o700, exist_ok=True)
+        tmp = f"{entry}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(digest)
+        os.replace(tmp, entry)
+    except OSError:
+        pass
+    return digest
 
 
 def _model_weights_dir(model_config: Any, load_config: Any) -> str | None:
@@ -197,21 +207,68 @@ def engine_identity_digest(identity: str) -> str:
     return _digest(identity)
 
 
-def lora_identity(lora_request: Any) -> str:
+def lora_identity(lora_request: Any) -> str | None:
     """A LoRA adapter's identity: its name (what vLLM's prefix cache keys), its path
-    and a digest of its files where the path is a local directory. Not its int id,
-    which vLLM assigns in load order and which would make a restarted engine miss."""
+    and a digest of the files vLLM loads for it (:func:`lora_folder`). Not its int
+    id, which vLLM assigns in load order and which would make a restarted engine
+    miss. ``""`` for no adapter; None where its files cannot be read: such a
+    request is neither looked up nor stored."""
     if lora_request is None:
         return ""
     path = str(getattr(lora_request, "lora_path", "") or "")
-    weights = weights_digest(path) if os.path.isdir(path) else None
     name = getattr(lora_request, "lora_name", "")
-    return f"lora={name!r},path={path!r},weights={weights or 'unreachable'}"
+    folder = lora_folder(path)
+    weights = weights_digest(folder) if folder else None
+    if weights is None:
+        _log_unreadable_adapter(name, path, folder)
+        return None
+    return f"lora={name!r},path={path!r},weights={weights}"
 
 
-def request_cache_salt(cache_salt: str | None, lora_request: Any = None) -> str:
+def lora_folder(lora_path: str) -> str | None:
+    """The local folder vLLM loads an adapter from, resolved as vLLM resolves it
+    (``vllm.lora.utils.get_adapter_absolute_path``): an absolute path as it is, ``~``
+    expanded, a relative path that exists, else a Hugging Face repository id, whose
+    snapshot vLLM downloads. None where that is no readable folder."""
+    if not lora_path:
+        return None
+    if os.path.isabs(lora_path) or lora_path.startswith("~") or os.path.exists(lora_path):
+        folder = os.path.abspath(os.path.expanduser(lora_path))
+    else:
+        folder = _hub_snapshot(lora_path)
+    return folder if folder and os.path.isdir(folder) else None
+
+
+@functools.lru_cache(maxsize=256)
+def _hub_snapshot(repo_id: str) -> str | None:
+    """The snapshot vLLM resolves for a hub adapter, resolved (downloaded) once per
+    process by vLLM's own function, as its worker does when it first loads it."""
+    try:
+        from vllm.lora.utils import get_adapter_absolute_path
+
+        return str(get_adapter_absolute_path(repo_id))
+    except Exception:  # no vLLM, no such repository, no network and not cached
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _log_unreadable_adapter(name: str, path: str, folder: str | None) -> None:
+    from lmcache.logging import init_logger
+
+    init_logger(__name__).warning(
+        "LoRA adapter %r (%s): %s; its requests are neither looked up nor stored in "
+        "LMCache, since no key could tell its weights from another adapter's",
+        name,
+        path,
+        f"no weight or config file readable in {folder}" if folder else "no local folder",
+    )
+
+
+def request_cache_salt(cache_salt: str | None, lora_request: Any = None) -> str | None:
     """The cache_salt a request's keys carry: ``""`` for a request with neither a
-    salt nor a LoRA adapter (pristine keys), otherwise a hex digest of both.
+    salt nor a LoRA adapter (pristine keys), otherwise a hex digest of both; None
+    for a request that cannot be keyed (its adapter's files are unreadable): it is
+    neither looked up nor stored.
 
     The salt itself never leaves the engine, so any string vLLM accepts works
     (LMCache's keys refuse ``/``, ``@``, ``\\``, NUL and more than 128 characters,
@@ -219,6 +276,8 @@ def request_cache_salt(cache_salt: str | None, lora_request: Any = None) -> str:
     name shows it. A server's per-salt quota and usage therefore see the digest.
     """
     lora = lora_identity(lora_request)
+    if lora is None:
+        return None
     if not cache_salt and not lora:
         return ""
     return _digest(f"salt={cache_salt or ''!r}\0{lora}")
