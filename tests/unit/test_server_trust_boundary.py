@@ -5,8 +5,8 @@ host that reaches the port can list every cached key with its salt, clear the ca
 ``POST /run_script`` Python that runs with the server's rights (its builtins whitelist does
 not confine a script: the script gets the FastAPI ``app`` and, through it, the whole server).
 The patched server binds the HTTP API to 127.0.0.1 unless ``--http-host`` says otherwise
-and never mounts ``/run_script``. The message queue (which unpickles KV cache registrations)
-binds ``--host localhost`` by default, which ZMQ resolves to 127.0.0.1 on either build.
+and never mounts ``/run_script``. The message queue (through which a client reads and writes
+cached KV) binds ``--host localhost`` by default, which ZMQ resolves to 127.0.0.1 on either build.
 
 Real classes: the ``lmcache server`` command (its parser and ``execute``, down to the
 uvicorn server it would run), the MP server's FastAPI app, LMCache's MessageQueueServer.

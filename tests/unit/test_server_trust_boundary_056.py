@@ -2,9 +2,8 @@
 
 0.5.6 already serves its HTTP API on 127.0.0.1 unless ``--http-host`` says otherwise and
 serves no ``/run_script`` (the tests below without a mark pin that, on either build). Its
-request server binds ``--host localhost`` by default and still unpickles the chunks of an
-engine-driven store (pickle mode) from whoever reaches it; the HTTP API has no
-authentication. The patched server logs a warning when either is bound to an address other
+request server binds ``--host localhost`` by default and lets whoever reaches it read and
+write cached KV (it has no authentication, nor has the HTTP API). The patched server logs a warning when either is bound to an address other
 hosts can reach; pristine 0.5.6 starts silently.
 
 Real classes: the ``lmcache server`` command (its parser and ``execute``, down to the
@@ -126,15 +125,15 @@ def test_an_http_api_opened_to_other_hosts_is_logged_as_unauthenticated(
 
 
 @pytest.mark.fix
-def test_a_request_server_opened_to_other_hosts_is_logged_as_running_code(
+def test_a_request_server_opened_to_other_hosts_is_logged(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     warnings = request_server_warnings(monkeypatch, "0.0.0.0")
-    assert any("0.0.0.0:5599" in w and "run code" in w for w in warnings), warnings
+    assert any("0.0.0.0:5599" in w and "cached KV" in w for w in warnings), warnings
 
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1"])
 def test_a_request_server_on_loopback_logs_no_exposure(
     monkeypatch: pytest.MonkeyPatch, host: str
 ) -> None:
-    assert not any("run code" in w for w in request_server_warnings(monkeypatch, host))
+    assert not any("cached KV" in w for w in request_server_warnings(monkeypatch, host))
