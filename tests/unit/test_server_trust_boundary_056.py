@@ -3,8 +3,9 @@
 0.5.6 already serves its HTTP API on 127.0.0.1 unless ``--http-host`` says otherwise and
 serves no ``/run_script`` (the tests below without a mark pin that, on either build). Its
 request server binds ``--host localhost`` by default and lets whoever reaches it read and
-write cached KV (it has no authentication, nor has the HTTP API). The patched server logs a warning when either is bound to an address other
-hosts can reach; pristine 0.5.6 starts silently.
+write cached KV (it has no authentication, nor has the HTTP API). The patched server logs
+a warning when either is bound to an address other hosts can reach; pristine 0.5.6 starts
+silently.
 
 Real classes: the ``lmcache server`` command (its parser and ``execute``, down to the
 uvicorn server it would run), the MP server's FastAPI app, run_cache_server (stopped right
