@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+import tempfile
 from pathlib import Path
 
 import blake3
@@ -52,6 +53,12 @@ def load_or_create(path: str | Path | None = None) -> bytes:
     try:
         st = path.stat()
     except (FileNotFoundError, NotADirectoryError):
+        if path.is_symlink():
+            raise TierSecretError(
+                f"L2 tier secret {path} is a symbolic link to {os.readlink(path)}, which "
+                "does not exist: point it at the tier's secret file, or remove it to "
+                "create a new secret"
+            ) from None
         _create(path)
         st = path.stat()
     except OSError as e:
@@ -87,8 +94,9 @@ def _create(path: Path) -> None:
     at the same time keeps whichever file appeared first."""
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        # A name no earlier start can have left behind (mode 0600).
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = Path(name)
         try:
             os.write(fd, (secrets.token_bytes(_SECRET_LEN).hex() + "\n").encode())
             os.fsync(fd)
