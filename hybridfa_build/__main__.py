@@ -72,17 +72,25 @@ def _install(args: argparse.Namespace) -> int:
     # The installed build's own check, away from the checkout (whose lmcache/ tree, if
     # `wheel` wrote one, is not what was installed).
     with tempfile.TemporaryDirectory(prefix="hybridfa-check-") as away:
-        check = subprocess.call([sys.executable, "-m", "lmcache._hybridfa"], cwd=away)
-    if check == marker.EXIT_KERNELS:
+        check = subprocess.run(
+            [sys.executable, "-m", "lmcache._hybridfa"],
+            cwd=away,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    print(check.stdout, end="")
+    if check.returncode != 0:
+        print(check.stderr[-2000:], end="", file=sys.stderr)
+        print("error: the installed build does not check out (above)", file=sys.stderr)
+        return 1
+    if marker.kernels_refused(check.stdout.splitlines()):
         print(
             "warning: the compiled copy kernels do not load with this environment's torch, "
             "so a CUDA LMCache server here refuses every model: "
             f"{marker.kernels_advice(args.base)}",
             file=sys.stderr,
         )
-    elif check != 0:
-        print("error: the installed build does not check out (above)", file=sys.stderr)
-        return 1
     return 0
 
 

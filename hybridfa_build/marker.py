@@ -1,17 +1,17 @@
 """Marker module of the hybrid-FA patched LMCache build.
 
 The wheel factory copies this file into the wheel as ``lmcache/_hybridfa.py`` with the
-``@...@`` placeholders filled in.
+``@...@`` placeholders filled in. Each command reads the INSTALLED build, never a
+``lmcache/`` tree in the current folder:
 
-``python -m lmcache._hybridfa`` reports the INSTALLED build (never a ``lmcache/`` tree in the
-current folder): its version, whether the installed files still match the wheel's RECORD, and
-whether its compiled copy kernels load with the torch of this environment. It exits 0 when
-all is well, 1 when no build is installed or another install overwrote it, 3 when the kernels
-do not load with this environment's CUDA torch (a CUDA LMCache server then refuses every
-model).
-
-``python -m lmcache._hybridfa block-size MODEL`` computes N, the attention block size vLLM
-picks for a hybrid model, from the model's ``config.json``, without a GPU or an engine.
+``python -m lmcache._hybridfa``            the build, whether the installed files still match
+                                           the wheel's RECORD (exit 1 if not), and whether
+                                           its compiled copy kernels load with this torch
+``python -m lmcache._hybridfa kernels``    the kernels alone: exit 3 where they do not load
+                                           with this environment's CUDA torch (a CUDA
+                                           LMCache server then refuses every model)
+``python -m lmcache._hybridfa block-size MODEL``  N, the attention block size vLLM picks for
+                                           a hybrid model, from its config.json (no GPU)
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ KERNELS = "@KERNELS@"  # what --kernels built them against; empty: the base whee
 
 MARKER = "lmcache/_hybridfa.py"
 EXIT_OK, EXIT_BROKEN, EXIT_KERNELS = 0, 1, 3
+KERNELS_NO, TORCH_NO = "  kernels load   !!!", "  torch          !!!"  # report lines
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def _kernel_lines(check: KernelCheck) -> list[str]:
     module = known.module if known is not None else "the kernels"
     lines = [f"  kernels need   {kernels_need()}"]
     if check.torch is None:
-        lines.append(f"  torch          !!! {check.error}")
+        lines.append(f"{TORCH_NO} {check.error}")
         lines.append(f"                 {kernels_advice()}")
         return lines
     build = f"CUDA {check.cuda}" if check.cuda else "a CPU build"
@@ -188,7 +189,7 @@ def _kernel_lines(check: KernelCheck) -> list[str]:
             "LMCache copies without them: a CUDA server needs the torch above"
         )
     else:
-        lines.append(f"  kernels load   !!! NO with torch {check.torch}: {check.error}")
+        lines.append(f"{KERNELS_NO} NO with torch {check.torch}: {check.error}")
         lines.append(
             "                 a CUDA LMCache server of this environment refuses every model:"
         )
@@ -284,11 +285,17 @@ def _check(argv: list[str]) -> int:
         )
         return proc.returncode
     check = check_kernels(here.parent.parent)
+    if argv[:1] == ["kernels"]:
+        print("\n".join(_kernel_lines(check)))
+        return EXIT_KERNELS if check.refuses else EXIT_OK
     lines, intact = report(check)
     print("\n".join(lines))
-    if not intact:
-        return EXIT_BROKEN
-    return EXIT_KERNELS if check.refuses else EXIT_OK
+    return EXIT_OK if intact else EXIT_BROKEN
+
+
+def kernels_refused(lines: list[str]) -> bool:
+    """Whether report lines say the kernels do not load with this environment's torch."""
+    return any(line.startswith((KERNELS_NO, TORCH_NO)) for line in lines)
 
 
 # --- N, vLLM's attention block size of a hybrid model ---------------------------------
@@ -623,10 +630,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["block-size"]:
         return _block_size(argv[1:])
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    return _check(argv)
+    if argv[:1] in ([], ["kernels"]):
+        return _check(argv)
+    print(__doc__)
+    return EXIT_OK if argv[0] in ("-h", "--help") else 2
 
 
 if __name__ == "__main__":

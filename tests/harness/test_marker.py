@@ -166,6 +166,14 @@ def test_kernel_verdicts() -> None:
     assert "vLLM runs in" in text and "--kernels" in text
     assert "!!!" not in "\n".join(marker._kernel_lines(cpu_fails))
     assert "kernels load   yes" in "\n".join(marker._kernel_lines(loads))
+    assert marker.kernels_refused(marker._kernel_lines(cuda_fails))
+    assert marker.kernels_refused(marker._kernel_lines(no_torch))
+    assert not marker.kernels_refused(marker._kernel_lines(cpu_fails))
+
+
+def test_an_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert marker.main(["verify"]) == 2
+    assert "block-size MODEL" in capsys.readouterr().out
 
 
 def test_what_the_kernels_need_per_base() -> None:
@@ -190,9 +198,11 @@ def _installed_hybridfa() -> Path:
     return installed
 
 
-def _run_check(cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _run_check(
+    cwd: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "lmcache._hybridfa"],
+        [sys.executable, "-m", "lmcache._hybridfa", *args],
         cwd=cwd,
         env=env or dict(os.environ),
         capture_output=True,
@@ -215,6 +225,10 @@ def test_the_check_reads_the_installed_build_not_a_tree_in_the_current_folder(
     assert f"module         {installed.resolve().parent}" in proc.stdout
     assert "RECORD         ok" in proc.stdout, proc.stdout + proc.stderr
     assert "kernels need   torch" in proc.stdout and "kernels load   " in proc.stdout
+    kernels = _run_check(tmp_path, args=("kernels",))
+    assert kernels.stdout.splitlines()[1].startswith("  kernels need   torch"), kernels.stdout
+    assert "RECORD" not in kernels.stdout
+    assert kernels.returncode == (marker.EXIT_KERNELS if "!!!" in kernels.stdout else 0)
 
 
 def test_the_check_of_a_tree_without_an_install_says_so(tmp_path: Path) -> None:
