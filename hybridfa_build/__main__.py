@@ -86,9 +86,8 @@ def _install(args: argparse.Namespace) -> int:
         return 1
     if marker.kernels_refused(check.stdout.splitlines()):
         print(
-            "warning: the compiled copy kernels do not load with this environment's torch, "
-            "so a CUDA LMCache server here refuses every model: "
-            f"{marker.kernels_advice(args.base)}",
+            "warning: installed, but this environment's torch cannot load the wheel's compiled "
+            "copy kernels, so a CUDA LMCache server here refuses every model (above)",
             file=sys.stderr,
         )
     return 0
