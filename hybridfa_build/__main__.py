@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
-from hybridfa_build import factory, kernels, patchqueue
+from hybridfa_build import factory, kernels, marker, patchqueue
+
+# Which build serves which vLLM: the answer to a base this factory does not build.
+BUILDS = (
+    "vLLM 0.26: `python -m hybridfa_build install`; vLLM 0.27/0.28: `install --kernels`; "
+    "vLLM 0.29-0.32: `install --base 0.5.6`; vLLM 0.33/0.34: `install --base 0.5.6 --kernels`"
+)
+# pip options that install somewhere this interpreter does not import from by default
+ELSEWHERE = ("--target", "-t", "--prefix", "--root")
 
 
 def _wheels(args: argparse.Namespace) -> list[Path]:
@@ -28,7 +39,21 @@ def _wheels(args: argparse.Namespace) -> list[Path]:
         )
         print(f"built {wheel}")
         built.append(wheel)
+    if built and args.command == "wheel":
+        print(_kernels_note(args.base, built[-1]))
     return built
+
+
+def _kernels_note(base: str, wheel: Path) -> str:
+    """Which torch the wheel's compiled copy kernels load with (its marker says what
+    ``--kernels`` built them against)."""
+    with zipfile.ZipFile(wheel) as zf:
+        text = zf.read(factory.MARKER_PATH).decode()
+    found = re.search(r'^KERNELS = "(.*)"', text, re.MULTILINE)
+    need = marker.kernels_need(base, found.group(1) if found else "")
+    known = marker.BASES.get(base)
+    module = known.module if known is not None else "the compiled copy kernels"
+    return f"the wheel's compiled copy kernels ({module}) need {need}"
 
 
 def _install(args: argparse.Namespace) -> int:
@@ -38,15 +63,55 @@ def _install(args: argparse.Namespace) -> int:
     rc = subprocess.call([*pip, "--force-reinstall", "--no-deps", str(wheel)])
     if rc == 0 and "--no-deps" not in extra:
         rc = subprocess.call([*pip, *extra, str(wheel)])
-    return rc
+    if rc != 0:
+        return rc
+    print(_kernels_note(args.base, wheel))
+    if any(a.split("=", 1)[0] in ELSEWHERE for a in extra):
+        print("check it where it was installed: python -m lmcache._hybridfa")
+        return 0
+    # The installed build's own check, away from the checkout (whose lmcache/ tree, if
+    # `wheel` wrote one, is not what was installed).
+    with tempfile.TemporaryDirectory(prefix="hybridfa-check-") as away:
+        check = subprocess.run(
+            [sys.executable, "-m", "lmcache._hybridfa"],
+            cwd=away,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    print(check.stdout, end="")
+    if check.returncode != 0:
+        print(check.stderr[-2000:], end="", file=sys.stderr)
+        print("error: the installed build does not check out (above)", file=sys.stderr)
+        return 1
+    if marker.kernels_refused(check.stdout.splitlines()):
+        print(
+            "warning: installed, but this environment's torch cannot load the wheel's compiled "
+            "copy kernels, so a CUDA LMCache server here refuses every model (above)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _base(value: str) -> str:
+    """A base this factory builds; any other answers which build serves its user."""
+    names = factory.base_names()
+    if value in names:
+        return value
+    raise argparse.ArgumentTypeError(
+        f"this project builds lmcache {' and '.join(names)}, not {value}. A user of lmcache "
+        f"{value} takes the build of their vLLM, which replaces the installed lmcache: "
+        f"{BUILDS}"
+    )
 
 
 def _add_base(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base",
         default=factory.DEFAULT_BASE,
-        choices=factory.base_names(),
-        help=f"pristine lmcache release to patch (default: {factory.DEFAULT_BASE})",
+        type=_base,
+        help=f"pristine lmcache release to patch: {', '.join(factory.base_names())} "
+        f"(default: {factory.DEFAULT_BASE}). {BUILDS}",
     )
 
 

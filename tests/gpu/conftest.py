@@ -1,7 +1,8 @@
 """Skip everything under tests/gpu unless a CUDA GPU, vLLM and FlashInfer are usable.
 
-CI's CPU machine then shows one clear reason per test instead of import errors. The
-probe imports torch/vllm/flashinfer lazily, once, at collection time.
+CI's CPU machine then shows one clear reason instead of import errors, at the end of the
+run whatever the verbosity (no -rs needed). The probe imports torch/vllm/flashinfer lazily,
+once, at collection time.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import functools
 import importlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
+SKIPPED = pytest.StashKey[tuple[int, str]]()  # (tests skipped here, why)
 
 
 @functools.cache
@@ -41,3 +44,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         it.add_marker(pytest.mark.gpu)
         if reason:
             it.add_marker(pytest.mark.skip(reason=reason))
+    if reason:
+        config.stash[SKIPPED] = (len(mine), reason)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    skipped = config.stash.get(SKIPPED, None)
+    if skipped is not None:
+        count, reason = skipped
+        terminalreporter.write_line(f"tests/gpu: {count} skipped: {reason}", yellow=True)
