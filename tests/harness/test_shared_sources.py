@@ -46,3 +46,11 @@ def test_a_patch_that_changes_a_shared_module_is_refused(tmp_path: Path) -> None
     patch.write_text(f"diff --git a/{name} b/{name}\n")
     with pytest.raises(wheel_factory.BuildError, match="sources/ carries"):
         wheel_factory.check_no_shared_changes([patch])
+
+
+def test_no_patch_of_any_series_adds_a_backup_or_reject_file() -> None:
+    for base in wheel_factory.base_names():
+        for patch in wheel_factory.read_series(wheel_factory.get_base(base).patches_dir):
+            strays = [p for p in wheel_factory.patched_paths(patch)
+                      if p.endswith((".orig", ".rej", "~"))]  # fmt: skip
+            assert not strays, f"{patch.name} adds {strays}"

@@ -30,7 +30,9 @@ import torch
 
 # First Party
 try:  # LMCache 0.5.6 keys a multimodal item by its whole identity itself
-    from lmcache.integration.vllm.utils import mm_hash_to_token_values as identity_tokens
+    from lmcache.integration.vllm.utils import (
+        mm_hash_to_token_values as identity_tokens,
+    )
 except ImportError:  # the 0.5.3 series adds the same
     from lmcache.integration.vllm.utils import mm_identity_tokens as identity_tokens
 
@@ -41,7 +43,9 @@ DIGEST_CHARS = 32
 
 
 def _digest(text: str) -> str:
-    return blake3.blake3(text.encode("utf-8", "surrogatepass")).hexdigest()[:DIGEST_CHARS]
+    return blake3.blake3(text.encode("utf-8", "surrogatepass")).hexdigest()[
+        :DIGEST_CHARS
+    ]
 
 
 def weights_digest(directory: str) -> str | None:
@@ -68,7 +72,9 @@ def weights_digest(directory: str) -> str | None:
 
 
 def _digest_cache() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache"
+    )
     return os.path.join(base, "lmcache-hybridfa", "file-digests")
 
 
@@ -79,8 +85,20 @@ def file_digest(path: str) -> str:
     digest; where it is not writable the file is hashed every time."""
     path = os.path.realpath(path)
     st = os.stat(path)
-    stamp = f"{path}\0{st.st_size}\0{st.st_ino}\0{st.st_dev}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
-    entry = os.path.join(_digest_cache(), blake3.blake3(stamp.encode()).hexdigest()[:32])
+    stamp = "\0".join(
+        str(v)
+        for v in (
+            path,
+            st.st_size,
+            st.st_ino,
+            st.st_dev,
+            st.st_mtime_ns,
+            st.st_ctime_ns,
+        )
+    )
+    entry = os.path.join(
+        _digest_cache(), blake3.blake3(stamp.encode()).hexdigest()[:32]
+    )
     try:
         with open(entry, encoding="ascii") as f:
             cached = f.read()
@@ -232,7 +250,11 @@ def lora_folder(lora_path: str) -> str | None:
     snapshot vLLM downloads. None where that is no readable folder."""
     if not lora_path:
         return None
-    if os.path.isabs(lora_path) or lora_path.startswith("~") or os.path.exists(lora_path):
+    if (
+        os.path.isabs(lora_path)
+        or lora_path.startswith("~")
+        or os.path.exists(lora_path)
+    ):
         folder = os.path.abspath(os.path.expanduser(lora_path))
     else:
         folder = _hub_snapshot(lora_path)
@@ -260,7 +282,9 @@ def _log_unreadable_adapter(name: str, path: str, folder: str | None) -> None:
         "LMCache, since no key could tell its weights from another adapter's",
         name,
         path,
-        f"no weight or config file readable in {folder}" if folder else "no local folder",
+        f"no weight or config file readable in {folder}"
+        if folder
+        else "no local folder",
     )
 
 

@@ -63,7 +63,10 @@ BASES = {
             ("vllm.config.cache", "CacheConfig"): ("get_resolved_kv_cache_layout",),
             ("vllm.v1.kv_cache_interface", "KVCacheTensor"): ("layers", "layer_stride"),
             ("vllm.v1.kv_cache_interface", "MambaSpec"): ("mamba_cache_mode",),
-            ("vllm.v1.core.sched.output", "CachedRequestData"): ("req_ids", "new_block_ids"),
+            ("vllm.v1.core.sched.output", "CachedRequestData"): (
+                "req_ids",
+                "new_block_ids",
+            ),
         },
     ),
 }
@@ -86,7 +89,9 @@ def _parse(version: str) -> tuple[int, int, int] | None:
 
 def _has(owner: Any, name: str) -> bool:
     if dataclasses.is_dataclass(owner):
-        return name in {f.name for f in dataclasses.fields(owner)} or hasattr(owner, name)
+        return name in {f.name for f in dataclasses.fields(owner)} or hasattr(
+            owner, name
+        )
     return hasattr(owner, name)
 
 
@@ -109,7 +114,8 @@ def _serving_build(parsed: tuple[int, int, int] | None) -> str:
         for base, served in BASES.items():
             if served.first <= parsed < served.end:
                 return (
-                    f"vLLM {_dotted(parsed[:2])} is served by the lmcache {_dotted(base)} "
+                    f"vLLM {_dotted(parsed[:2])} is served by the lmcache "
+                    f"{_dotted(base)} "
                     f"based build of lmcache-hybridfa: {served.install}."
                 )
     ranges = "; ".join(f"{s.text} ({s.install})" for s in BASES.values())
@@ -152,5 +158,6 @@ def check_extensible_kv_cache(vllm_config: Any) -> None:
         raise RuntimeError(
             "lmcache-hybridfa: the LMCache connector shares the KV cache with the "
             "LMCache server through CUDA IPC handles, which vLLM's extensible KV cache "
-            f"(driver-mapped memory) cannot export. Start vLLM with {EXTENSIBLE_KV_CACHE_OFF}."
+            "(driver-mapped memory) cannot export. Start vLLM with "
+            f"{EXTENSIBLE_KV_CACHE_OFF}."
         )

@@ -39,8 +39,18 @@ def encode_tensors(tensors: list[torch.Tensor]) -> bytes:
     chunks = []
     for t in tensors:
         flat = t.detach().to("cpu").contiguous().reshape(-1)
-        raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-        chunks.append(_Chunk(str(t.dtype).removeprefix("torch."), tuple(t.shape), raw.numpy().tobytes()))
+        raw = (
+            flat.view(torch.uint8)
+            if flat.numel()
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        chunks.append(
+            _Chunk(
+                str(t.dtype).removeprefix("torch."),
+                tuple(t.shape),
+                raw.numpy().tobytes(),
+            )
+        )
     return msgspec.msgpack.encode(chunks)
 
 
@@ -57,7 +67,9 @@ def decode_tensors(data: bytes) -> list[torch.Tensor]:
         if dtype is None:
             raise ValueError(f"unknown tensor dtype {chunk.dtype[:40]!r}")
         if math.prod(chunk.shape) * dtype.itemsize != len(chunk.data):
-            raise ValueError(f"{len(chunk.data)} bytes do not fill a {chunk.dtype} {chunk.shape}")
+            raise ValueError(
+                f"{len(chunk.data)} bytes do not fill a {chunk.dtype} {chunk.shape}"
+            )
         if not chunk.data:
             tensors.append(torch.empty(chunk.shape, dtype=dtype))
             continue

@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             summary.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")
         ):
             print(
-                f"{model}\t{fingerprint or '-'}\t{count:.0f} objects\t{size:.0f} bytes\t"
+                f"{model}\t{fingerprint or '-'}\t{count:.0f} objects\t"
+                f"{size:.0f} bytes\t"
                 f"newest {now - newest:.0f} s ago"
             )
         return 0
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for fingerprint, age in live.items():
         print(
-            f"kept: layout {fingerprint or '(none)'} of {args.model} was written {age:.0f} s "
+            f"kept: layout {fingerprint or '(none)'} of {args.model} was written "
+            f"{age:.0f} s "
             "ago, a server may still use it (--include-live when none does)",
             file=sys.stderr,
         )

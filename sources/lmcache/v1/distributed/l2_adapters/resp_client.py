@@ -6,20 +6,21 @@ It serves ``NativeConnectorL2Adapter`` through the interface of LMCache's C++ cl
 one connection per worker thread, and differs from LMCache's C++ ``LMCacheRedisClient``
 where that one could stop serving:
 
-- it parses every reply: a key gone since its lookup (evicted, expired, flushed: ``$-1``),
-  a value of another size, an error reply (``-OOM ...``) is a miss or a failed store of
-  that key, and the connection stays in step. The C++ client read the reply of a GET as
-  the expected size header, so it waited forever for the bytes a ``$-1`` lacks, and after
-  as many such keys as it had workers every later L2 request of the server waited too;
+- it parses every reply: a key gone since its lookup (evicted, expired, flushed:
+  ``$-1``), a value of another size, an error reply (``-OOM ...``) is a miss or a failed
+  store of that key, and the connection stays in step. The C++ client read the reply of
+  a GET as the expected size header, so it waited forever for the bytes a ``$-1`` lacks,
+  and after as many such keys as it had workers every later L2 request of the server
+  waited too;
 - a reply that does not come within ``timeout_s`` (a Redis that stopped answering) fails
   its key and drops the connection instead of blocking the worker;
 - a worker reconnects after a failure (a Redis restart), where the C++ client connected
   each worker once, at start, and never again;
 - each value is the object's bytes followed by their tag (``tier_secret``: keyed by the
-  L2 tier's secret, over the Redis key and the bytes), checked on load: whoever can write
-  to Redis cannot change what is restored. A value whose tag does not verify (forged,
-  written under another secret or by a build without tags, another key's value) is a
-  miss, logged;
+  L2 tier's secret, over the Redis key and the bytes), checked on load: whoever can
+  write to Redis cannot change what is restored. A value whose tag does not verify
+  (forged, written under another secret or by a build without tags, another key's value)
+  is a miss, logged;
 - it speaks TLS when given an ``ssl.SSLContext``.
 
 Payloads travel without a copy: a SET sends the object's buffer, a GET receives into it.
@@ -166,7 +167,9 @@ class _Conn:
 
 
 class _Batch:
-    def __init__(self, future_id: int, num_keys: int, num_tiles: int, per_key: bool) -> None:
+    def __init__(
+        self, future_id: int, num_keys: int, num_tiles: int, per_key: bool
+    ) -> None:
         self.future_id = future_id
         self.tiles_left = num_tiles
         self.results: list[bool] | None = [False] * num_keys if per_key else None
@@ -177,7 +180,9 @@ class _Batch:
 class _WorkerState:
     def __init__(self) -> None:
         self.conn: _Conn | None = None
-        self.failing = False  # a request failed since the last that succeeded: logged once
+        self.failing = (
+            False  # a request failed since the last that succeeded: logged once
+        )
 
 
 class RespClient:
@@ -307,14 +312,21 @@ class RespClient:
             batch.tiles_left -= 1
             if batch.tiles_left:
                 return
-            self._completions.append((batch.future_id, batch.ok, batch.error, batch.results))
+            self._completions.append(
+                (batch.future_id, batch.ok, batch.error, batch.results)
+            )
         self._notifier.notify()
 
     # -- the workers -------------------------------------------------------------
 
     def _connect(self) -> _Conn:
         return _Conn(
-            self._host, self._port, self._timeout_s, self._username, self._password, self._tls
+            self._host,
+            self._port,
+            self._timeout_s,
+            self._username,
+            self._password,
+            self._tls,
         )
 
     def _worker(self) -> None:
@@ -324,7 +336,9 @@ class RespClient:
             ok, error = True, ""
             for i, key in enumerate(keys):
                 try:
-                    done = self._one(state, op, key, bufs[i] if bufs is not None else None)
+                    done = self._one(
+                        state, op, key, bufs[i] if bufs is not None else None
+                    )
                 except (RespError, OSError, ValueError) as e:
                     done, ok, error = False, False, f"{key}: {e!r}"
                     if not isinstance(e, RespError):
@@ -333,7 +347,8 @@ class RespClient:
                         self._drop(state)
                     if not state.failing and not self._closed:
                         logger.warning(
-                            "RESP L2 adapter: %s:%d: %r (on %s); requests fail (a miss, no "
+                            "RESP L2 adapter: %s:%d: %r (on %s); requests fail "
+                            "(a miss, no "
                             "store) until it serves again",
                             self._host,
                             self._port,
@@ -344,7 +359,11 @@ class RespClient:
                 else:
                     if state.failing:
                         state.failing = False
-                        logger.info("RESP L2 adapter: %s:%d serves again", self._host, self._port)
+                        logger.info(
+                            "RESP L2 adapter: %s:%d serves again",
+                            self._host,
+                            self._port,
+                        )
                 if batch.results is not None:
                     batch.results[start + i] = done
                 elif not done:
@@ -353,7 +372,11 @@ class RespClient:
         self._drop(state)
 
     def _one(
-        self, state: _WorkerState, op: Callable[[_Conn, str, Any], bool], key: str, buf: Any
+        self,
+        state: _WorkerState,
+        op: Callable[[_Conn, str, Any], bool],
+        key: str,
+        buf: Any,
     ) -> bool:
         fresh = state.conn is None
         if state.conn is None:
@@ -428,7 +451,8 @@ class RespClient:
             if known:
                 return
         logger.warning(
-            "RESP L2 adapter: %s is not an authentic %d-byte object (%s); it is a miss. "
+            "RESP L2 adapter: %s is not an authentic %d-byte object (%s); "
+            "it is a miss. "
             "Servers that share this Redis need the same L2 tier secret.",
             key,
             size,
@@ -447,7 +471,9 @@ class RespClient:
             )
             return False
         conn.send(
-            b"*3\r\n$3\r\nSET\r\n" + _bulk(key.encode()) + b"$%d\r\n" % (len(buf) + TAG_LEN),
+            b"*3\r\n$3\r\nSET\r\n"
+            + _bulk(key.encode())
+            + b"$%d\r\n" % (len(buf) + TAG_LEN),
             buf,
             tag + b"\r\n",
         )

@@ -55,7 +55,8 @@ def load_or_create(path: str | Path | None = None) -> bytes:
     except (FileNotFoundError, NotADirectoryError):
         if path.is_symlink():
             raise TierSecretError(
-                f"L2 tier secret {path} is a symbolic link to {os.readlink(path)}, which "
+                f"L2 tier secret {path} is a symbolic link to {os.readlink(path)}, "
+                "which "
                 "does not exist: point it at the tier's secret file, or remove it to "
                 "create a new secret"
             ) from None
@@ -85,7 +86,9 @@ def load_or_create(path: str | Path | None = None) -> bytes:
     except ValueError:
         secret = b""
     if len(secret) != _SECRET_LEN:
-        raise TierSecretError(f"L2 tier secret {path} does not hold {2 * _SECRET_LEN} hex digits")
+        raise TierSecretError(
+            f"L2 tier secret {path} does not hold {2 * _SECRET_LEN} hex digits"
+        )
     return secret
 
 
@@ -95,7 +98,9 @@ def _create(path: Path) -> None:
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         # A name no earlier start can have left behind (mode 0600).
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, name = tempfile.mkstemp(
+            prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
+        )
         tmp = Path(name)
         try:
             os.write(fd, (secrets.token_bytes(_SECRET_LEN).hex() + "\n").encode())

@@ -27,7 +27,9 @@ import torch
 from lmcache._version import version_tuple
 from lmcache.v1.platform import resolve_device_ops, torch_device_type
 
-EXTENSION = "lmcache.c_ops" if tuple(version_tuple[:3]) < (0, 5, 6) else "lmcache.cuda_ops"
+EXTENSION = (
+    "lmcache.c_ops" if tuple(version_tuple[:3]) < (0, 5, 6) else "lmcache.cuda_ops"
+)
 """The compiled extension's module name in the installed LMCache release."""
 
 
