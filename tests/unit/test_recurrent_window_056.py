@@ -82,6 +82,10 @@ FA_CHUNK_BYTES = len(FA_LAYERS) * 4 * 2 * 16 * 2 * 16 * 2
 
 @pytest.mark.fix
 def test_a_restore_reads_the_recurrent_state_of_the_last_hit_chunk_only():
+    """Computed, not observed: the bytes are summed from the server's layout descriptions
+    and each object group's window (restore_bytes), what the retrieve path reads per
+    group; no restore runs. test_gdn_last_chunk counts a restore's disk reads on the 0.5.3
+    base."""
     state = restore_bytes(1, "--no-separate-object-groups") - FA_CHUNK_BYTES
     read = restore_bytes(8)
     assert read == 8 * FA_CHUNK_BYTES + state, (
