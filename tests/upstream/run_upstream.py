@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run LMCache 0.5.3's own test suite against an installed lmcache build; compare with pristine.
+"""Run LMCache's own test suite (0.5.3 or 0.5.6) against an installed build; compare with pristine.
 
 The sdist's tests/, pytest.ini and benchmarks/ (not its lmcache/) are extracted into WORKDIR and
 pytest runs there with PYTHONPATH=<--lmcache DIR>. Failures are rerun on the same build; what
@@ -13,16 +13,20 @@ a test that the first rounds call a regression gets. A test leaves the rounds on
 cannot change its verdict (0/7 against 0/7 cannot reach 4/10 against 0/10). Skipped or missing
 counts as not passed, on either build. (A free-port race in 0.5.3's bench CLI tests once failed
 five runs in a row on one build and passed the one pristine run; alone it fails on either build
-now and then.)
+now and then.) A flake not listed in known_failures.txt that never failed on pristine and
+failed twice or more on the build under test is a regression too. A test that fails every time
+on both builds is a regression when none of its failures on the build under test has the
+signature (type and first line, run details masked) of one on pristine.
 
 A test listed in changed_by_series.txt pins behaviour a patch deliberately changes: it must be a
-regression by the rules above (fail, or skip, on the build where pristine passes), and is
-reported as changed instead.
+regression by the rules above (fail, or skip, on the build where pristine passes), fail as its
+entry expects (a failure message, or an amended copy asserting the series' value that passes),
+and is reported as changed instead.
 
 Exit status: 0 no regression; 1 regression; 2 stale entry in known_failures.txt or
 changed_by_series.txt;
 3 the run itself could not be trusted (wrong lmcache imported, no JUnit report, ...).
-Unlisted failures that also fail on pristine, and flakes, are only warned about.
+Unlisted failures that also fail on pristine alike, and other flakes, are only warned about.
 Stdlib only: it runs on the CPU CI box and on GPU nodes with a different Python.
 """
 
@@ -1075,9 +1079,9 @@ def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--python", required=True, help="interpreter with lmcache's deps + pytest")
-    ap.add_argument("--sdist", required=True, type=Path, help="lmcache-0.5.3.tar.gz")
+    ap.add_argument("--sdist", required=True, type=Path, help="lmcache-0.5.3.tar.gz or 0.5.6's")
     ap.add_argument("--lmcache", required=True, type=Path, help="dir holding the build under test")
-    ap.add_argument("--pristine", required=True, type=Path, help="dir holding pristine 0.5.3")
+    ap.add_argument("--pristine", required=True, type=Path, help="dir holding the pristine base")
     ap.add_argument("--work", required=True, type=Path, help="scratch dir for the sdist's tests")
     ap.add_argument("--out", type=Path, default=Path("results/upstream-cpu.json"))
     ap.add_argument("--gpu", action="store_true", help="run the CUDA-only files on both builds")
