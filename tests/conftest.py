@@ -105,6 +105,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    ROOTDIR[0] = config.rootpath
     if ARM not in ("patched", "pristine"):
         raise pytest.UsageError(f"HYBRIDFA_ARM must be patched or pristine, not {ARM!r}")
     state = _lmcache_state()
@@ -130,6 +131,8 @@ def _item_bases(item: pytest.Item) -> tuple[str, ...]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        if item.get_closest_marker("fix") is not None:
+            ExpectedFailure.of(item)  # a wrong argument is an error on either arm
         bases = _item_bases(item)
         if BASE not in bases:
             item.add_marker(
@@ -209,6 +212,7 @@ def fails_as_expected(
 
 PRISTINE_FIX: dict[str, str] = {}  # node id -> "expected" or why not
 SKIPPED_FILES: list[str] = []
+ROOTDIR: list[Path] = [REPO]
 
 
 def _first_line(text: str) -> str:
@@ -264,6 +268,8 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
     if ARM != "pristine" or not report.skipped:
         return
     path = Path(report.fspath)
+    if not path.is_absolute():  # a node id's path, from the rootdir
+        path = ROOTDIR[0] / path
     if path.suffix != ".py" or not path.name.startswith("test_") or not path.is_file():
         return
     text = path.read_text()
