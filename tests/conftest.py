@@ -9,22 +9,28 @@ HYBRIDFA_ARM=pristine  lmcache must be the pristine base. A test marked ``featur
     that saw nothing raised is one too);
   * its raising frame, the innermost one outside pytest's own code, is in the test's own
     file (any function of it). A test whose bug shows in a helper of another file declares
-    it: ``@pytest.mark.fix(raised_in="restore_server.py::restore_through")`` (a file name
-    under tests/, optionally ``::function``); ``match="regex"`` also requires the
-    failure's message to match (re.search). Use them sparingly: a declared helper says what
-    the test pins, and the file or function must be one only that bug reaches.
+    it, e.g. a hang that fs_l2_driver.wait_for reports:
+    ``@pytest.mark.fix(raised_in="fs_l2_driver.py::wait_for", match="did not complete")``
+    (a file name under tests/, optionally ``::function``; ``match`` requires the failure's
+    message to match, re.search). Use them sparingly: a declared helper says what the test
+    pins, and the file or function must be one only that bug reaches.
 
   Anything else turns the run red: a ``fix`` test that passes on pristine, fails with
   another exception (ImportError, TypeError, KeyError, ...), fails at an assertion
   elsewhere (a library's own ``assert``, a shared helper not declared), or is skipped (a
-  missing redis-server, a ``pytest.skip``), and a test file that holds a ``fix`` test of
-  this base and is skipped whole at import. The terminal summary counts the ``fix`` tests
-  of this base and how many failed at their expected point.
+  missing redis-server, a ``pytest.skip``, a ``skipif``), and a test file that holds a
+  ``fix`` test of this base and is skipped whole at import. A ``fix`` test of another base
+  is skipped as below; one that only a vLLM version can run is left out of the pristine
+  pass on other vLLMs (``--deselect``/``--ignore`` in tests/run), never skipped. The
+  terminal summary counts the ``fix`` tests of this base and how many failed at their
+  expected point.
 
   So a new ``fix`` test written plainly (it calls the code under test and ends in an
   ``assert`` of its own) needs no argument. A test that drives a shared helper which
-  asserts for it (restore_server's byte comparison) either asserts on what the helper
-  returns (``restore_server.restored_and_wrong``) or declares the helper.
+  asserts for it (restore_server's byte comparison in restore_through/restore_compared)
+  asserts on what the helper's twin returns instead (restored_and_wrong,
+  restart_and_restore: the blocks restored and those whose bytes differ), and a test of a
+  miss asserts on the lookup (hit_blocks, hit_after_restart), before any restore.
 
 Bases: the installed lmcache's release (0.5.3 or 0.5.6) is the base under test. A test
 runs on the bases its ``bases(...)`` marker names, by default on 0.5.3 only; on another
