@@ -469,3 +469,14 @@ def test_the_amended_copy_replaces_every_old_text_in_a_copy_of_the_file(tmp_path
     amended = (tmp_path / AMENDED.split("::")[0]).read_text()
     assert amended == source.read_text().replace("'0.0.0.0'", "'127.0.0.1'")
     assert runner.amended_copy(tmp_path, CHANGED, "not in the file", "x") is None
+
+
+def test_gpu_mode_fails_a_test_failing_on_both_builds_for_another_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = {FLAKY: {"patched": ["failed=KeyError: 'x'"], "pristine": ["failed=assert 1 == 2"]}}
+    monkeypatch.setattr(runner, "run_pytest", FakeSuite(tmp_path, script).run_pytest)
+    monkeypatch.setattr(runner, "preflight", lambda python, build, work: "")
+    summary: dict[str, object] = {}
+    assert runner.gpu_mode(_rate_args(tmp_path, 5), ["tests"], summary) == 1
+    assert summary["fails_for_another_reason"] == [FLAKY]

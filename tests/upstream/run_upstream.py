@@ -1029,6 +1029,7 @@ def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     firsts: dict[str, dict[str, str]] = {}
     columns: dict[str, dict[str, dict[str, int]]] = {}
     seconds: dict[str, float] = {}
+    sigs: dict[str, dict[str, set[str]]] = {}
     for label, build in builds.items():
         preflight(args.python, build, args.work)
         first = run_pytest(
@@ -1044,6 +1045,7 @@ def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
         columns[f"{label} (1st run)"] = tally(first.outcomes)
         columns[f"{label} (after rerun)"] = tally(finals[label])
         seconds.update({r.label: round(r.seconds, 1) for r in [first, *runs]})
+        sigs[label] = signatures_of([first, *runs], build)
     patched, pristine = finals["patched"], finals["pristine"]
     on_pristine = {n: outcome_for(n, pristine) for n in patched}
     regressions = sorted(n for n, o in patched.items() if o in BAD and on_pristine[n] == "passed")
@@ -1052,12 +1054,16 @@ def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     seconds.update({r.label: round(r.seconds, 1) for r in rate_runs})
     regressions = sorted(regressions + by_rate)
     both = sorted(n for n, o in patched.items() if o in BAD and on_pristine[n] in BAD)
+    differs = fail_for_another_reason(both, sigs["patched"], sigs["pristine"])
+    both = [n for n in both if n not in differs]
+    regressions = sorted(regressions + differs)
     only_skipped = sorted(
         n for n, o in patched.items() if o == "skipped" and on_pristine[n] == "passed"
     )
     summary.update(
         mode="gpu", seconds=seconds, counts=columns, regressions=regressions,
-        fails_on_pristine_too=both, skipped_on_patched_passed_on_pristine=only_skipped,
+        fails_on_pristine_too=both, fails_for_another_reason=differs,
+        skipped_on_patched_passed_on_pristine=only_skipped,
         rate_rounds=rates,
     )  # fmt: skip
     log("\n" + markdown(columns) + "\n")
@@ -1071,7 +1077,12 @@ def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
             f" {r['patched_not_passed']} rate rounds, pristine {r['pristine_not_passed']}"
         )
     for n in regressions:
-        if n not in by_rate:
+        if n in differs:
+            log(
+                f"REGRESSION: {n} fails on pristine too, but for another reason: here"
+                f" {sorted(sigs['patched'][n])}, on pristine {sorted(sigs['pristine'][n])}"
+            )
+        elif n not in by_rate:
             log(f"REGRESSION: {n} fails on the build under test, passes on pristine")
     return 1 if regressions else 0
 
