@@ -94,7 +94,8 @@ def test_skipping_on_patched_right_after_pristine_passed_is_a_regression() -> No
 
 class FakeSuite:
     """Stands in for run_pytest: script[nid][build] lists the outcome of each run of nid on
-    that build ("patched"/"pristine"); the last one repeats."""
+    that build ("patched"/"pristine"); the last one repeats. An outcome "failed=MESSAGE"
+    fails with that message; a plain failure's is the same on both builds."""
 
     def __init__(self, tmp_path: Path, script: dict[str, dict[str, list[str]]]) -> None:
         self.builds = {tmp_path / "patched": "patched", tmp_path / "pristine": "pristine"}
@@ -106,15 +107,20 @@ class FakeSuite:
         self, python: str, build: Path, work: Path, label: str, targets: list[str], wall: int
     ) -> object:
         arm = self.builds[build]
-        outcomes = {}
+        outcomes: dict[str, str] = {}
+        messages: dict[str, str] = {}
         for nid, per_build in self.script.items():
             if targets != ["tests"] and nid not in targets:
                 continue
             n = self.runs.get((arm, nid), 0)
             self.runs[arm, nid] = n + 1
-            outcomes[nid] = per_build[arm][min(n, len(per_build[arm]) - 1)]
+            outcome, _, message = per_build[arm][min(n, len(per_build[arm]) - 1)].partition("=")
+            outcomes[nid] = outcome
+            if outcome != "passed":
+                messages[nid] = message or f"{outcome}: the same on both"
         rc = 1 if any(o in runner.BAD for o in outcomes.values()) else 0
-        return runner.Run(label, rc, outcomes, 0.0, str(build / "lmcache" / "__init__.py"))
+        lmcache = str(build / "lmcache" / "__init__.py")
+        return runner.Run(label, rc, outcomes, 0.0, lmcache, messages, str(build))
 
 
 def cpu_run(
@@ -122,9 +128,10 @@ def cpu_run(
     monkeypatch: pytest.MonkeyPatch,
     script: dict[str, dict[str, list[str]]],
     changed: str = "",
+    known: str = "",
 ) -> tuple[int, dict[str, object]]:
     monkeypatch.setattr(runner, "run_pytest", FakeSuite(tmp_path, script).run_pytest)
-    (tmp_path / "known.txt").write_text("")
+    (tmp_path / "known.txt").write_text(known)
     (tmp_path / "changed.txt").write_text(changed)
     args = argparse.Namespace(
         python="python", lmcache=tmp_path / "patched", pristine=tmp_path / "pristine",
@@ -204,7 +211,7 @@ def test_a_skip_the_series_causes_is_reported_as_changed(
         tmp_path,
         monkeypatch,
         {SKIPS: {"patched": ["skipped"], "pristine": ["passed"]}},
-        changed=f"{SKIPS} | fingerprint: skips by design\n",
+        changed=f"{SKIPS} | fails: skipped | fingerprint: skips by design\n",
     )
     assert rc == 0
     assert [r["id"] for r in summary["changed_by_series"]] == [SKIPS]  # type: ignore[attr-defined]
@@ -317,3 +324,159 @@ def test_ending_the_rate_rounds_early_never_changes_a_verdict() -> None:
         k = next(k for k in range(n + 1) if not runner.undecided(ours[:k], base[:k], n))
         early = runner.compare_rates(["t"], {"t": ours[:k]}, {"t": base[:k]})[0]
         assert early == runner.compare_rates(["t"], {"t": ours}, {"t": base})[0], (ours, base)
+
+
+def test_a_failure_s_signature_is_its_type_and_first_line_with_run_details_masked() -> None:
+    one = runner.signature("ZMQError: Address in use (tcp://127.0.0.1:40123) 0x7f01\nmore")
+    other = runner.signature("ZMQError: Address in use (tcp://127.0.0.1:51877) 0x7e22")
+    assert one == other == "ZMQError: Address in use (tcp://127.0.0.1:N) 0x?"
+    assert runner.signature("assert 3 == 2") != runner.signature("KeyError: 3")
+
+
+def test_failing_on_both_builds_for_another_reason_is_a_regression(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = {FLAKY: {"patched": ["failed=KeyError: 'x'"], "pristine": ["failed=assert 1 == 2"]}}
+    rc, summary = cpu_run(tmp_path, monkeypatch, script)
+    assert rc == 1
+    assert summary["fails_for_another_reason"] == [FLAKY]
+    assert summary["fails_on_pristine_too"] == []
+
+
+def test_failing_alike_on_both_builds_is_no_regression(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = {
+        FLAKY: {
+            "patched": ["failed=TimeoutError: port 40123"],
+            "pristine": ["failed=TimeoutError: port 51877"],
+        }
+    }
+    rc, summary = cpu_run(tmp_path, monkeypatch, script)
+    assert rc == 0
+    assert [r["id"] for r in summary["fails_on_pristine_too"]] == [FLAKY]  # type: ignore[attr-defined]
+
+
+# 1st run failed, rerun passed; one failure in the rate rounds (1/5 against 0/5: no gap)
+TWICE = ["failed", "passed", "failed", "passed"]
+
+
+def test_an_unlisted_flake_pristine_never_shows_fails_the_run_from_two_failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rc, summary = cpu_run(
+        tmp_path, monkeypatch, {FLAKY: {"patched": TWICE, "pristine": ["passed"]}}
+    )
+    assert rc == 1
+    assert summary["new_intermittent_failures"] == [FLAKY]
+
+
+def test_a_listed_flake_is_judged_by_its_rate_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rc, summary = cpu_run(
+        tmp_path,
+        monkeypatch,
+        {FLAKY: {"patched": TWICE, "pristine": ["passed"]}},
+        known=f"{FLAKY} | a timing race of the test itself\n",
+    )
+    assert rc == 0
+    assert [r["id"] for r in summary["flaky_on_patched"]] == [FLAKY]  # type: ignore[attr-defined]
+
+
+def test_a_flake_that_failed_once_only_warns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    once = ["failed", "passed"]
+    rc, summary = cpu_run(tmp_path, monkeypatch, {FLAKY: {"patched": once, "pristine": ["passed"]}})
+    assert rc == 0
+    assert summary["flaky_unlisted"] == [FLAKY]
+
+
+CHANGED = "tests/v1/test_x.py::test_default"
+
+
+def test_a_changed_test_failing_as_its_entry_expects_is_reported_as_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = {
+        CHANGED: {"patched": ["failed=assert '127.0.0.1' == '0.0.0.0'"], "pristine": ["passed"]}
+    }
+    rc, summary = cpu_run(
+        tmp_path, monkeypatch, script, changed=f"{CHANGED} | fails: == '0.0.0.0' | http: bind\n"
+    )
+    assert rc == 0
+    assert [r["id"] for r in summary["changed_by_series"]] == [CHANGED]  # type: ignore[attr-defined]
+
+
+def test_a_changed_test_failing_for_another_reason_is_a_regression(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = {CHANGED: {"patched": ["failed=assert 8081 == 8080"], "pristine": ["passed"]}}
+    rc, summary = cpu_run(
+        tmp_path, monkeypatch, script, changed=f"{CHANGED} | fails: == '0.0.0.0' | http: bind\n"
+    )
+    assert rc == 1
+    assert [r["id"] for r in summary["regressions"]] == [CHANGED]  # type: ignore[attr-defined]
+
+
+AMENDED = "tests/v1/test_x_amended_by_series.py::test_default"
+AMEND = f"{CHANGED} | amend: == '0.0.0.0' => == '127.0.0.1' | http: bind\n"
+
+
+def _changed_source(tmp_path: Path) -> Path:
+    source = tmp_path / "tests" / "v1" / "test_x.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("def test_default():\n    assert HOST == '0.0.0.0'\n    assert PORT == 1\n")
+    return source
+
+
+@pytest.mark.parametrize(
+    "amended, rc",
+    [(["passed"], 0), (["failed"], 1)],
+    ids=["the-amended-copy-passes", "the-amended-copy-fails"],
+)
+def test_an_amended_copy_of_a_changed_test_must_pass_on_patched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, amended: list[str], rc: int
+) -> None:
+    _changed_source(tmp_path)
+    script = {
+        CHANGED: {"patched": ["failed"], "pristine": ["passed"]},
+        AMENDED: {"patched": amended, "pristine": ["failed"]},
+    }
+    got, _ = cpu_run(tmp_path, monkeypatch, script, changed=AMEND)
+    assert got == rc
+    assert not (tmp_path / AMENDED.split("::")[0]).exists(), "the amended copy was left behind"
+
+
+def test_an_amendment_that_passes_on_pristine_too_is_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _changed_source(tmp_path)
+    script = {
+        CHANGED: {"patched": ["failed"], "pristine": ["passed"]},
+        AMENDED: {"patched": ["passed"], "pristine": ["passed"]},
+    }
+    rc, summary = cpu_run(tmp_path, monkeypatch, script, changed=AMEND)
+    assert rc == 2
+    assert summary["stale_known_failures"] == [CHANGED]
+
+
+def test_the_amended_copy_replaces_every_old_text_in_a_copy_of_the_file(tmp_path: Path) -> None:
+    source = _changed_source(tmp_path)
+    copy = runner.amended_copy(tmp_path, CHANGED, "== '0.0.0.0'", "== '127.0.0.1'")
+    assert copy == AMENDED
+    amended = (tmp_path / AMENDED.split("::")[0]).read_text()
+    assert amended == source.read_text().replace("'0.0.0.0'", "'127.0.0.1'")
+    assert runner.amended_copy(tmp_path, CHANGED, "not in the file", "x") is None
+
+
+def test_gpu_mode_fails_a_test_failing_on_both_builds_for_another_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = {FLAKY: {"patched": ["failed=KeyError: 'x'"], "pristine": ["failed=assert 1 == 2"]}}
+    monkeypatch.setattr(runner, "run_pytest", FakeSuite(tmp_path, script).run_pytest)
+    monkeypatch.setattr(runner, "preflight", lambda python, build, work: "")
+    summary: dict[str, object] = {}
+    assert runner.gpu_mode(_rate_args(tmp_path, 5), ["tests"], summary) == 1
+    assert summary["fails_for_another_reason"] == [FLAKY]

@@ -463,9 +463,24 @@ def restore_compared(
     """Start a server under ``b`` on ``l2`` (a node with an empty L1), restore what its
     lookup of ``prompt`` hits and compare it with the blocks ``stored`` from ``src``: the
     blocks restored (0 for a miss); a restored byte that differs fails here."""
+    blocks, wrong = restart_and_restore(real_servers, l2, b, src, stored, prompt)
+    assert not wrong, wrong[0]
+    return blocks
+
+
+def restart_and_restore(
+    real_servers: ServerFactory,
+    l2: Path,
+    b: Setup,
+    src: HybridKV,
+    stored: list[list[int]] | None = None,
+    prompt: list[int] | None = None,
+) -> tuple[int, list[str]]:
+    """restore_compared without its assertion: the blocks restored and the restored blocks
+    whose bytes differ (restored_and_wrong)."""
     kv = build_hybrid_kv(N, b.page, b.layout, NUM_BLOCKS, seed=1, gdn=b.gdn, fa_dtype=b.fa_dtype)
     server = real_servers(kv, b.chunk, l2, **b.server_args)
-    return restore_through(server, src, stored, prompt)
+    return restored_and_wrong(server, src, stored, prompt)
 
 
 def restore_through(
@@ -478,23 +493,58 @@ def restore_through(
     """Restore what ``server``'s lookup of ``prompt`` hits into its engine and compare
     it with the blocks ``stored`` from ``src``: the blocks restored (0 for a miss); a
     restored byte that differs fails here."""
+    blocks, wrong = restored_and_wrong(server, src, stored, prompt, request)
+    assert not wrong, wrong[0]
+    return blocks
+
+
+def restored_and_wrong(
+    server: RealServer,
+    src: HybridKV,
+    stored: list[list[int]] | None = None,
+    prompt: list[int] | None = None,
+    request: str = "restore",
+) -> tuple[int, list[str]]:
+    """restore_through without its assertion: the blocks restored (0 for a miss) and one
+    line per restored block whose bytes differ from the stored block's, for a test that
+    asserts on them itself."""
     stored = stored or store_ids()
     prompt = prompt or tokens()
     chunk = server.ctx.chunk_size
     hit = server.lookup(request, prompt[:-1])
     if hit == 0:
-        return 0
+        return 0, []
     blocks = hit * chunk // N
     ids = restore_ids(blocks)
     assert server.retrieve(request, prompt, 0, hit * chunk, ids)
+    wrong = []
     for layer in range(NUM_LAYERS):
         if layer in FA_LAYERS:
             pairs = [(ids[FA_GROUP][i], stored[FA_GROUP][i]) for i in range(blocks)]
         else:
             g = layer % 4
             pairs = [(ids[g][-1], stored[g][blocks - 1])]
-        for dst, s in pairs:
-            assert torch.equal(server.kv.block_bytes(layer, dst), src.block_bytes(layer, s)), (
-                f"layer {layer}: block {dst} restored other bytes than stored block {s}"
-            )
-    return blocks
+        wrong += [
+            f"layer {layer}: block {dst} restored other bytes than stored block {s}"
+            for dst, s in pairs
+            if not torch.equal(server.kv.block_bytes(layer, dst), src.block_bytes(layer, s))
+        ]
+    return blocks, wrong
+
+
+def hit_after_restart(
+    real_servers: ServerFactory, l2: Path, b: Setup, prompt: list[int] | None = None
+) -> int:
+    """Start a server under ``b`` on ``l2`` (an empty L1): the blocks its lookup of
+    ``prompt`` hits, nothing restored."""
+    kv = build_hybrid_kv(N, b.page, b.layout, NUM_BLOCKS, seed=1, gdn=b.gdn, fa_dtype=b.fa_dtype)
+    server = real_servers(kv, b.chunk, l2, **b.server_args)
+    return server.lookup("restore", (prompt or tokens())[:-1]) * b.chunk // N
+
+
+def hit_blocks(real_servers: ServerFactory, tmp_path: Path, a: Setup, b: Setup) -> int:
+    """Store under ``a``, restart under ``b`` on the same folder: the blocks its lookup
+    hits (0 for a miss). A test of a miss asserts on this, before any restore."""
+    l2 = tmp_path / "l2"
+    store(real_servers, l2, a)
+    return hit_after_restart(real_servers, l2, b)

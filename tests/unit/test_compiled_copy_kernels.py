@@ -46,7 +46,36 @@ def _hybrid_server(real_servers: Any, tmp_path: Path) -> Any:
     return real_servers(kv, N, tmp_path / "l2", False)
 
 
+def _kv(hybrid: bool) -> Any:
+    return (
+        build_hybrid_kv(N, PAGE, "NHD", NUM_BLOCKS)
+        if hybrid
+        else build_fa_only_kv(16, "NHD", num_blocks=NUM_BLOCKS)
+    )
+
+
 @pytest.mark.fix
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "dense"])
+def test_a_server_without_the_compiled_kernels_serves_no_hit(
+    real_servers, tmp_path, monkeypatch, hybrid
+):
+    """What a server that copies with the kernels stored is a miss on a CUDA server
+    without them: a hit there is restored through the fallback."""
+    tokens_per_block = N if hybrid else 16
+    tokens = list(range(1000, 1000 + CHUNKS * tokens_per_block + 1))
+    ids = [[1 + g * CHUNKS + i for i in range(CHUNKS)] for g in range(4 if hybrid else 1)]
+    stored = real_servers(_kv(hybrid), tokens_per_block, tmp_path / "l2", False)
+    assert stored.store("store", tokens, ids)
+    stored.wait_l2_objects(CHUNKS)
+    stored.close()
+    _on_cuda(monkeypatch, compiled=False)
+    server = real_servers(_kv(hybrid), tokens_per_block, tmp_path / "l2", False)
+    assert server.lookup("again", tokens[:-1]) == 0, (
+        "a CUDA server without its compiled copy kernels hit what another server stored"
+    )
+
+
+@pytest.mark.feature
 def test_a_hybrid_layout_is_refused_without_the_compiled_kernels(
     real_servers, tmp_path, monkeypatch
 ):
@@ -64,7 +93,7 @@ def test_a_hybrid_layout_is_served_with_the_compiled_kernels(real_servers, tmp_p
     assert not [e for e in recorder.errors if "lmcache.c_ops" in e]
 
 
-@pytest.mark.fix
+@pytest.mark.feature
 def test_a_dense_layout_is_refused_without_the_compiled_kernels(
     real_servers, tmp_path, monkeypatch
 ):

@@ -59,6 +59,25 @@ class _NoEvents:
 
 
 @pytest.mark.fix
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "dense"])
+def test_a_server_without_the_compiled_kernels_serves_no_hit(tmp_path, monkeypatch, hybrid):
+    """Objects of the registered layout in the fs tier, as a server that copies with the
+    kernels stores them, are a miss on a CUDA server without them: a hit there is restored
+    through the fallback."""
+    fs = Server(tmp_path, f'{{"type":"fs","base_path":"{tmp_path / "l2"}"}}')
+    fs.base = tmp_path / "l2"
+    try:
+        _on_cuda(monkeypatch, compiled=False)
+        fs.register(hybrid=hybrid)
+        assert fs.seed_l2(fill=7) > 0
+        assert fs.hit_chunks("again") == 0, (
+            "a CUDA server without its compiled copy kernels hit objects of its layout"
+        )
+    finally:
+        fs.close()
+
+
+@pytest.mark.feature
 def test_a_hybrid_layout_is_refused_without_the_compiled_kernels(server, monkeypatch):
     recorder = _on_cuda(monkeypatch, compiled=False)
     server.register(hybrid=True)
@@ -74,7 +93,7 @@ def test_a_hybrid_layout_is_served_with_the_compiled_kernels(server, monkeypatch
     assert not [e for e in recorder.errors if "cuda_ops" in e]
 
 
-@pytest.mark.fix
+@pytest.mark.feature
 def test_a_dense_layout_is_refused_without_the_compiled_kernels(server, monkeypatch):
     recorder = _on_cuda(monkeypatch, compiled=False)
     server.register(hybrid=False)

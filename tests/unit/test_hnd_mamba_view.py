@@ -20,7 +20,9 @@ MAMBA_LAYERS = tuple(i for i in range(NUM_LAYERS) if i not in FA_LAYERS)
 
 def cuda_block_dims(group) -> tuple[int, int]:
     """blockDim of multi_layer_block_kv_transfer (csrc/mp_mem_kernels.cu in 0.5.3):
-    x = min(head bytes / copy unit, 32), y = heads; the copy unit is 16, 4 or 2 bytes."""
+    x = min(head bytes / copy unit, 32), y = heads; the copy unit is 16, 4 or 2 bytes.
+    A model of that launch, written from the kernel's source: no kernel runs on a CPU box,
+    so a test of it checks the group geometry the launch is computed from."""
     sd = group.shape_desc
     head_bytes = sd.hs * sd.element_size
     unit = next(u for u in (16, 4, 2) if head_bytes % u == 0)

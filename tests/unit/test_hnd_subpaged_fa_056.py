@@ -34,7 +34,9 @@ MAX_THREADS_PER_BLOCK = 1024  # CUDA limit, also the limit of blockDim.y
 
 def cuda_block_dims(group) -> tuple[int, int]:
     """blockDim of the multi-layer block copy kernel: x = min(head bytes / copy unit,
-    32), y = heads; the copy unit is 16, 4 or 2 bytes."""
+    32), y = heads; the copy unit is 16, 4 or 2 bytes. A model of that launch, written
+    from the kernel's source: no kernel runs on a CPU box, so a test of it checks the
+    group geometry the launch is computed from."""
     sd = group.shape_desc
     head_bytes = sd.hs * sd.element_size
     unit = next(u for u in (16, 4, 2) if head_bytes % u == 0)

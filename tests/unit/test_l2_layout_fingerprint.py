@@ -269,17 +269,25 @@ def test_a_namespaced_object_without_its_trailer_is_a_miss(adapter, tmp_path):
 def test_an_object_is_on_disk_before_its_name_appears(adapter, tmp_path, monkeypatch):
     import os
 
-    synced: list[str] = []
-    real_fsync = os.fsync
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
 
-    def recording_fsync(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
         real_fsync(fd)
 
-    monkeypatch.setattr(os, "fsync", recording_fsync)
+    def replace(src: Any, dst: Any) -> None:
+        events.append(("rename", os.path.realpath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
     store(adapter, [_plain_key()], [PAYLOAD])
-    base = str((tmp_path / "l2").resolve())
-    assert any(p.startswith(base + "/") and p.endswith(".tmp") for p in synced), (
-        f"the object file was not synced before its rename: {synced}"
+    base = (tmp_path / "l2").resolve()
+    final = str(one_object_file(base))
+    assert events[:1] == [("fsync", final[: -len(".data")] + ".tmp")], (
+        f"the object was not synced under its temporary name first: {events}"
     )
-    assert base in synced, f"the folder entry was not synced after the rename: {synced}"
+    assert events[1:] == [("rename", final), ("fsync", str(base))], (
+        f"the rename was not followed by a sync of the folder: {events}"
+    )

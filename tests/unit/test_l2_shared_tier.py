@@ -9,6 +9,11 @@ was stored, or the lookup misses.
 A server keeps one layout namespace per model name for the whole process
 (layout_namespace), so nodes of different layouts run one after the other here, as
 separate processes would not need to.
+
+The byte-exact restores across nodes, Redis killed mid-store and Redis evicting are no
+``fix`` tests: pristine 0.5.3 passes them on FlashAttention's whole-block pages and
+fails them on FlashInfer's only through its FA page bug (test_multipage_fa). They guard
+the shared tier on this build.
 """
 
 from __future__ import annotations
@@ -85,7 +90,6 @@ def tier_quiet(server: RealServer, quiet_s: float = 0.5, timeout: float = 10.0) 
 # Byte-exact restores across nodes
 
 
-@pytest.mark.fix
 def test_what_one_node_stored_the_other_restores_after_both_restart(real_servers, tmp_path, tier):
     setup = BASE.but(l2_adapter=tier)
     l2 = tmp_path / "l2"
@@ -99,7 +103,6 @@ def test_what_one_node_stored_the_other_restores_after_both_restart(real_servers
     assert restore_compared(real_servers, l2, setup, a.kv) == BLOCKS
 
 
-@pytest.mark.fix
 def test_two_nodes_storing_the_same_chunks_at_once_then_restore_exactly(
     real_servers, tmp_path, tier
 ):
@@ -199,7 +202,6 @@ def redis_info(redis: RedisServer, field: str) -> int:
     return int(next(line for line in info.split("\r\n") if line.startswith(field)).split(":")[1])
 
 
-@pytest.mark.fix
 def test_redis_killed_mid_store_the_nodes_keep_serving(resp_servers, tmp_path, redis):
     l2 = tmp_path / "l2"
     a, b = node(resp_servers, l2, RESP), node(resp_servers, l2, RESP, seed=2)
@@ -236,7 +238,6 @@ def test_after_a_redis_restart_a_running_server_stores_to_l2_again(resp_servers,
     assert restore_compared(resp_servers, l2, RESP, a.kv) == BLOCKS
 
 
-@pytest.mark.fix
 @pytest.mark.redis_maxmemory("3mb")
 def test_redis_evicting_under_maxmemory_restores_exactly_or_misses(resp_servers, tmp_path, redis):
     l2 = tmp_path / "l2"
@@ -293,6 +294,6 @@ def test_a_key_evicted_between_lookup_and_load_is_a_miss(
     b = node(resp_servers, l2, RESP, seed=2)
     try:  # LMCache 0.5.3's Redis client waits forever for the bytes a $-1 reply lacks
         hit = b.lookup("evicted", tokens()[:-1])
-    except RuntimeError as e:
+    except pytest.fail.Exception as e:  # fs_l2_driver.wait_for: the prefetch never ended
         pytest.fail(f"the lookup of a key evicted before its load hung: {e}")
     assert hit in range(BLOCKS)

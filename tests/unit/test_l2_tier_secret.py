@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -75,12 +77,46 @@ def test_a_secret_of_another_user_refuses_the_start(tmp_path):
     assert "owned by uid 65534" in refusal(tmp_path, secret)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file of mode 0000")
-def test_an_unreadable_secret_refuses_the_start(tmp_path):
-    secret = tmp_path / "l2-tier.key"
-    start(tmp_path, secret)
-    secret.chmod(0)
-    assert "cannot read" in refusal(tmp_path, secret)
+UNPRIVILEGED = 65534  # nobody
+
+
+def in_child_as(uid: int, run: Callable[[], str]) -> str:
+    """``run()`` in a forked child that has dropped to ``uid`` (its groups too): what it
+    returned, or the exception it raised. The modules it needs are imported already."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read)
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            answer = run()
+        except BaseException as e:  # reported to the parent
+            answer = f"raised {type(e).__name__}: {e}"
+        os.write(write, answer.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answer = pipe.read()
+    os.waitpid(pid, 0)
+    return answer
+
+
+def test_an_unreadable_secret_refuses_the_start():
+    """Root reads a file of mode 0000: under root the start runs in a child that drops to
+    an unprivileged uid, owner of the folder and the file (in the system's temp folder,
+    which any uid can walk)."""
+    uid = UNPRIVILEGED if os.geteuid() == 0 else os.geteuid()
+    with tempfile.TemporaryDirectory() as name:
+        folder = Path(name)
+        secret = folder / "l2-tier.key"
+        start(folder, secret)
+        secret.chmod(0)
+        for path in [folder, *folder.rglob("*")]:
+            os.chown(path, uid, uid)
+        answer = in_child_as(uid, lambda: refusal(folder, secret))
+    assert "cannot read" in answer, answer
 
 
 def test_a_secret_that_cannot_be_created_refuses_the_start(tmp_path):

@@ -26,6 +26,7 @@ from restore_server import (  # noqa: E402
     NUM_BLOCKS,
     PAGE,
     N,
+    hit_blocks,
     restored_blocks,
     store,
     store_ids,
@@ -87,8 +88,8 @@ SAME_SIZE_ROWS = {
 @pytest.mark.fix
 @pytest.mark.parametrize("a, b", list(SAME_SIZE_ROWS.values()), ids=list(SAME_SIZE_ROWS))
 def test_layout_change_of_the_same_object_size_is_a_miss(real_servers, tmp_path, a, b):
-    assert restored_blocks(real_servers, tmp_path, a, b) == 0, (
-        "objects stored under one layout were restored into another"
+    assert hit_blocks(real_servers, tmp_path, a, b) == 0, (
+        "objects stored under one layout hit under another"
     )
 
 
@@ -109,11 +110,14 @@ def test_other_layout_change_is_a_miss(real_servers, tmp_path, a, b):
     assert restored_blocks(real_servers, tmp_path, a, b) == 0
 
 
-@pytest.mark.fix
 @pytest.mark.parametrize("chunk", [2 * N, 3 * N], ids=["chunk=2N", "chunk=3N"])
 def test_a_chunk_whose_earlier_mamba_slots_are_null_restores_its_last_state(
     real_servers, tmp_path, chunk
 ):
+    """The one-block window stores a chunk when each recurrent group's last block is real,
+    whatever its earlier slots hold. No ``fix`` test: pristine, and the series without
+    that window, restore this chunk's last state too; pristine fails it only through the
+    FA page bug that test_multipage_fa pins."""
     setup = BASE.but(chunk=chunk)
     stored = store_ids(chunk, nulled=True)
     assert restored_blocks(real_servers, tmp_path, setup, setup, stored) == BLOCKS

@@ -16,7 +16,7 @@ pytest.importorskip("vllm.v1.kv_cache_interface")
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
 
 from hybrid_kv import build_hybrid_kv  # noqa: E402
-from restore_server import BASE, BLOCKS, restored_blocks  # noqa: E402
+from restore_server import BASE, BLOCKS, restart_and_restore, store  # noqa: E402
 from vllm_sched_fakes import (  # noqa: E402
     BLOCK,
     SchedDriver,
@@ -34,8 +34,10 @@ def store_ids() -> list[list[int]]:
 @pytest.mark.fix
 def test_a_pristine_client_of_a_hybrid_model_never_restores_wrong_bytes(real_servers, tmp_path):
     client = BASE.but(pristine_client=True)
-    # restored_blocks fails on any restored byte that differs from the stored one
-    assert restored_blocks(real_servers, tmp_path, client, client) in (0, BLOCKS)
+    src = store(real_servers, tmp_path / "l2", client)
+    blocks, wrong = restart_and_restore(real_servers, tmp_path / "l2", client, src)
+    assert not wrong, f"a pristine client restored wrong bytes: {wrong[0]}"
+    assert blocks in (0, BLOCKS)
 
 
 @pytest.mark.feature

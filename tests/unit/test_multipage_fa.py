@@ -245,8 +245,9 @@ def _replace_fa_views(kv: HybridKV, pages: int, slots: int) -> None:
         kv.kv_caches[layer_name(layer)] = elems.view(pages, NUM_KV_HEADS, slots, 2 * HEAD_SIZE)
 
 
-@pytest.mark.fix
+@pytest.mark.feature
 def test_block_that_is_not_whole_kernel_pages_is_refused_naming_the_layer(monkeypatch):
+    """Pristine refuses this geometry too, naming the engine group, not the layer."""
     kv = build_hybrid_kv(80, 16, "HND")
     _replace_fa_views(kv, pages=30, slots=32)  # 80-token blocks over 32-slot pages
     with pytest.raises(ValueError, match=r"model\.layers\.3\.self_attn.*80-token block.*32-slot"):

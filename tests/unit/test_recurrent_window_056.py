@@ -82,6 +82,10 @@ FA_CHUNK_BYTES = len(FA_LAYERS) * 4 * 2 * 16 * 2 * 16 * 2
 
 @pytest.mark.fix
 def test_a_restore_reads_the_recurrent_state_of_the_last_hit_chunk_only():
+    """Computed, not observed: the bytes are summed from the server's layout descriptions
+    and each object group's window (restore_bytes), what the retrieve path reads per
+    group; no restore runs. test_gdn_last_chunk counts a restore's disk reads on the 0.5.3
+    base."""
     state = restore_bytes(1, "--no-separate-object-groups") - FA_CHUNK_BYTES
     read = restore_bytes(8)
     assert read == 8 * FA_CHUNK_BYTES + state, (
@@ -140,13 +144,16 @@ def test_a_chunk_whose_last_state_block_is_null_is_never_stored(monkeypatch):
     step's first two blocks has no state to store (a server without patch 0010's
     FA-only word; test_mtp_gap_chunk_056 covers one with it)."""
     ops, table = _stores(monkeypatch, [4 * BLOCK, 4 * BLOCK])
+    stored = []
     for op in ops:
-        for g in _mamba_groups(table):
-            for end in range(op.start + 2 * BLOCK, op.end + 1, 2 * BLOCK):
+        for end in range(op.start + 2 * BLOCK, op.end + 1, 2 * BLOCK):
+            stored.append(end - 2 * BLOCK)
+            for g in _mamba_groups(table):
                 last = op.block_ids[g][(end - op.start) // BLOCK - 1]
                 assert last != NULL_BLOCK_ID, (
                     f"chunk {end - 2 * BLOCK}-{end} stored from the null state block"
                 )
+    assert stored, "the prompt stored no chunk: nothing was checked"
 
 
 def test_a_chunk_whose_earlier_state_blocks_are_null_is_stored(monkeypatch):

@@ -113,7 +113,7 @@ def test_the_readme_command_binds_its_request_server_on_loopback(tmp_path: Path)
     assert config.host in ("localhost", "127.0.0.1"), config.host
 
 
-@pytest.mark.fix
+@pytest.mark.feature
 def test_an_http_api_opened_to_other_hosts_is_logged_as_unauthenticated(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -125,7 +125,7 @@ def test_an_http_api_opened_to_other_hosts_is_logged_as_unauthenticated(
     )
 
 
-@pytest.mark.fix
+@pytest.mark.feature
 def test_a_request_server_opened_to_other_hosts_is_logged(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run LMCache 0.5.3's own test suite against an installed lmcache build; compare with pristine.
+"""Run LMCache's own test suite (0.5.3 or 0.5.6) against an installed build; compare with pristine.
 
 The sdist's tests/, pytest.ini and benchmarks/ (not its lmcache/) are extracted into WORKDIR and
 pytest runs there with PYTHONPATH=<--lmcache DIR>. Failures are rerun on the same build; what
@@ -13,16 +13,20 @@ a test that the first rounds call a regression gets. A test leaves the rounds on
 cannot change its verdict (0/7 against 0/7 cannot reach 4/10 against 0/10). Skipped or missing
 counts as not passed, on either build. (A free-port race in 0.5.3's bench CLI tests once failed
 five runs in a row on one build and passed the one pristine run; alone it fails on either build
-now and then.)
+now and then.) A flake not listed in known_failures.txt that never failed on pristine and
+failed twice or more on the build under test is a regression too. A test that fails every time
+on both builds is a regression when none of its failures on the build under test has the
+signature (type and first line, run details masked) of one on pristine.
 
 A test listed in changed_by_series.txt pins behaviour a patch deliberately changes: it must be a
-regression by the rules above (fail, or skip, on the build where pristine passes), and is
-reported as changed instead.
+regression by the rules above (fail, or skip, on the build where pristine passes), fail as its
+entry expects (a failure message, or an amended copy asserting the series' value that passes),
+and is reported as changed instead.
 
 Exit status: 0 no regression; 1 regression; 2 stale entry in known_failures.txt or
 changed_by_series.txt;
 3 the run itself could not be trusted (wrong lmcache imported, no JUnit report, ...).
-Unlisted failures that also fail on pristine, and flakes, are only warned about.
+Unlisted failures that also fail on pristine alike, and other flakes, are only warned about.
 Stdlib only: it runs on the CPU CI box and on GPU nodes with a different Python.
 """
 
@@ -116,6 +120,8 @@ class Run:
     outcomes: dict[str, str]
     seconds: float
     lmcache_file: str
+    messages: dict[str, str] = field(default_factory=dict)  # id: its failure's first line
+    build: str = ""  # the build folder run against
 
 
 @dataclass
@@ -123,6 +129,7 @@ class Known:
     pattern: str
     reason: str
     regex: re.Pattern[str] = field(repr=False)
+    expect: str = ""  # changed_by_series.txt: "fails: REGEX" or "amend: OLD => NEW"
 
 
 def log(msg: str) -> None:
@@ -145,6 +152,8 @@ def extract_sdist(sdist: Path, work: Path, python: str) -> str:
     digest = sha256(sdist)
     stamp = work / ".sdist-sha256"
     work.mkdir(parents=True, exist_ok=True)
+    for leftover in work.glob(f"tests/**/*{AMENDED_SUFFIX}.py"):
+        leftover.unlink()  # a run stopped before it removed its amended copies
     (work / GUARD_MODULE).with_suffix(".py").write_text(GUARD_SOURCE)
     # Tests spawn `python3 -m lmcache...`: make python/python3 on PATH the --python interpreter.
     shims = work / ".bin"
@@ -264,9 +273,27 @@ def node_id(work: Path, classname: str, name: str) -> str:
     return f"{dotted}::{name}" if classname else dotted
 
 
-def parse_junit(xml_path: Path, work: Path) -> dict[str, str]:
+def first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else ""
+
+
+def signature(message: str) -> str:
+    """The failure type and first line of a JUnit failure message (pytest writes
+    ``KeyError: 'x'``, ``Failed: ...``, ``AssertionError: assert a == b``), with what
+    differs from run to run masked: addresses, numbers of four digits or more (ports,
+    pids), temporary paths."""
+    first = first_line(message)
+    first = re.sub(r"0x[0-9a-fA-F]+", "0x?", first)
+    first = re.sub(r"(/tmp|/var/tmp|/private/var)/\S*", "/tmp/?", first)
+    return re.sub(r"\d{4,}", "N", first)
+
+
+def parse_junit_cases(xml_path: Path, work: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """-> per node id: outcome, and the first line of its failure, error or skip."""
     rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+    tag_of = {"error": "error", "failed": "failure", "skipped": "skipped"}
     outcomes: dict[str, str] = {}
+    messages: dict[str, str] = {}
     for case in ET.parse(xml_path).getroot().iter("testcase"):
         tags = {child.tag for child in case}
         if "error" in tags:
@@ -280,7 +307,14 @@ def parse_junit(xml_path: Path, work: Path) -> dict[str, str]:
         nid = node_id(work, case.get("classname", ""), case.get("name", ""))
         if rank[outcome] >= rank.get(outcomes.get(nid, "passed"), 0):
             outcomes[nid] = outcome
-    return outcomes
+            child = case.find(tag_of[outcome]) if outcome in tag_of else None
+            if child is not None:
+                messages[nid] = first_line(child.get("message") or child.text or "")
+    return outcomes, messages
+
+
+def parse_junit(xml_path: Path, work: Path) -> dict[str, str]:
+    return parse_junit_cases(xml_path, work)[0]
 
 
 def outcome_for(nid: str, outcomes: dict[str, str]) -> str:
@@ -391,17 +425,17 @@ def run_pytest(
     for line in kill_leftovers(tag, proc.pid, before):
         log(f"[{label}] killed leftover {line}")
     try:
-        outcomes = parse_junit(xml, work) if xml.is_file() else {}
+        outcomes, messages = parse_junit_cases(xml, work) if xml.is_file() else ({}, {})
     except ET.ParseError as exc:
         log(f"[{label}] unreadable JUnit report: {exc}")
-        outcomes = {}
+        outcomes, messages = {}, {}
     lmcache_file = str(read_record(record).get("lmcache", ""))
     counts = {
         k: sum(1 for v in outcomes.values() if v == k)
         for k in ("passed", "failed", "error", "skipped")
     }
     log(f"[{label}] rc={rc} {seconds:.0f}s {counts} lmcache={lmcache_file or '?'}")
-    return Run(label, rc, outcomes, seconds, lmcache_file)
+    return Run(label, rc, outcomes, seconds, lmcache_file, messages, str(build))
 
 
 def check_run(run: Run, build: Path) -> None:
@@ -426,13 +460,17 @@ def rerun(
         run = run_pytest(python, build, work, f"{label}-{attempt}", pending, wall)
         if run.rc == 4 and len(pending) > 1:  # a node id pytest cannot resolve: go one by one
             merged: dict[str, str] = {}
+            merged_messages: dict[str, str] = {}
             for n, nid in enumerate(pending):
                 one = run_pytest(python, build, work, f"{label}-{attempt}.{n}", [nid], wall)
                 merged.update(one.outcomes)
+                merged_messages.update(one.messages)
                 runs.append(one)
             if not merged:
                 raise Abort(f"[{label}] no rerun produced any result: see logs")
-            run = Run(run.label, 1, merged, run.seconds, run.lmcache_file)
+            run = Run(
+                run.label, 1, merged, run.seconds, run.lmcache_file, merged_messages, run.build
+            )
         elif run.rc != 4:
             check_run(run, build)
         runs.append(run)
@@ -463,6 +501,43 @@ def load_known(path: Path) -> list[Known]:
         regex = re.compile(".*".join(re.escape(p) for p in pattern.split("*")) + r"\Z")
         known.append(Known(pattern, reason, regex))
     return known
+
+
+AMENDED_SUFFIX = "_amended_by_series"
+
+
+def load_changed(path: Path) -> list[Known]:
+    """changed_by_series.txt: ``<pattern> | <expectation> | <why>``, the expectation
+    ``fails: REGEX`` (the test's failure, or skip, on the build under test: its signature
+    matches REGEX) or ``amend: OLD => NEW`` (a copy of the test's file with every OLD made
+    NEW passes on the build under test and fails on pristine)."""
+    changed = []
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = [f.strip() for f in line.split(" | ")]
+        if len(fields) != 3 or not all(fields):
+            raise Abort(f"{path}:{n}: want '<test id pattern> | <expectation> | <why>'")
+        pattern, expect, reason = fields
+        kind, sep, spec = expect.partition(":")
+        if kind == "amend":
+            old, arrow, new = spec.partition("=>")
+            valid = bool(arrow and old.strip() and new.strip() and "*" not in pattern)
+        else:
+            valid = kind == "fails" and bool(sep and spec.strip())
+            if valid:
+                try:
+                    re.compile(spec.strip())
+                except re.error:
+                    valid = False
+        if not valid:
+            raise Abort(f"{path}:{n}: want 'fails: REGEX' or 'amend: OLD => NEW', not {expect!r}")
+        if pattern.strip("*:/. ") in ("", "tests"):
+            raise Abort(f"{path}:{n}: blanket pattern {pattern!r} not allowed")
+        regex = re.compile(".*".join(re.escape(p) for p in pattern.split("*")) + r"\Z")
+        changed.append(Known(pattern, reason, regex, expect))
+    return changed
 
 
 def match_known(nid: str, known: list[Known]) -> Known | None:
@@ -674,9 +749,121 @@ def split_changed(
     return [n for n in regressions if n not in expected], expected, stale
 
 
+def signatures_of(runs: list[Run], build: Path) -> dict[str, set[str]]:
+    """Per test, the first lines of its failures (and skips) in the runs against build."""
+    found: dict[str, set[str]] = {}
+    where = build.resolve()
+    for run in runs:
+        ran = Path(run.build or run.lmcache_file or "/").resolve()
+        if ran != where and where not in ran.parents:
+            continue
+        for nid, sig in run.messages.items():
+            found.setdefault(nid, set()).add(sig)
+    return found
+
+
+def fail_for_another_reason(
+    pristine_fail: list[str], patched: dict[str, set[str]], pristine: dict[str, set[str]]
+) -> list[str]:
+    """Tests failing on both builds whose failures share no signature (type and first
+    line): the build under test fails them for another reason. A test whose failures left
+    no message on either build cannot be told apart, and is not among them."""
+    ours = {n: {signature(m) for m in patched.get(n, set())} for n in pristine_fail}
+    base = {n: {signature(m) for m in pristine.get(n, set())} for n in pristine_fail}
+    return [n for n in pristine_fail if ours[n] and base[n] and not ours[n] & base[n]]
+
+
+def new_flakes(
+    flaky: list[str],
+    known: list[Known],
+    patched: dict[str, list[str]],
+    pristine: dict[str, list[str]],
+) -> list[str]:
+    """Flakes not listed in known_failures.txt that never failed on pristine and failed
+    twice or more on the build under test, over every run of both: an intermittent failure
+    the series brought, whatever its rate."""
+    return [
+        n for n in flaky
+        if match_known(n, known) is None
+        and pristine.get(n) and not_passed(pristine[n]) == 0
+        and not_passed(patched.get(n, [])) >= 2
+    ]  # fmt: skip
+
+
+def round_outcomes(record: dict[str, object], build: str) -> list[str]:
+    """A rate-round record's outcomes on ``build`` (patched or pristine)."""
+    got = record.get(build, [])
+    return [str(o) for o in got] if isinstance(got, list) else []
+
+
+def amended_copy(work: Path, nid: str, old: str, new: str) -> str | None:
+    """Write a copy of nid's file beside it with every ``old`` made ``new``: the copy's
+    node id, or None when the file does not hold ``old``."""
+    rel, sep, rest = nid.partition("::")
+    source = work / rel
+    if not sep or not source.is_file() or old not in source.read_text():
+        return None
+    target = source.with_name(source.stem + AMENDED_SUFFIX + source.suffix)
+    target.write_text(source.read_text().replace(old, new))
+    return f"{target.relative_to(work).as_posix()}::{rest}"
+
+
+def check_changed(
+    args: argparse.Namespace,
+    tests: list[str],
+    changed: list[Known],
+    patched_sigs: dict[str, set[str]],
+) -> tuple[list[str], list[str], dict[str, str], list[Run]]:
+    """Each test changed by the series fails as its entry expects: (tests that fail
+    otherwise, stale entries, one note per test, runs of the amended copies)."""
+    wrong: list[str] = []
+    stale: list[str] = []
+    notes: dict[str, str] = {}
+    runs: list[Run] = []
+    for nid in tests:
+        entry = match_known(nid, changed)
+        assert entry is not None
+        kind, _, spec = entry.expect.partition(":")
+        if kind == "fails":
+            sigs = sorted(patched_sigs.get(nid, set()))
+            if any(re.search(spec.strip(), sig) for sig in sigs):
+                notes[nid] = f"fails as expected: {sigs[0]}"
+            else:
+                wrong.append(nid)
+                notes[nid] = f"fails with {sigs or 'no message'}, not matching {spec.strip()!r}"
+            continue
+        old, _, new = (x.strip() for x in spec.partition("=>"))
+        copy = amended_copy(args.work, nid, old, new)
+        if copy is None:
+            stale.append(entry.pattern)
+            notes[nid] = f"its file holds no {old!r} to amend"
+            continue
+        try:
+            ours, r1 = rerun(
+                args.python, args.lmcache, args.work, "amended-patched", [copy], 3,
+                args.wall_timeout,
+            )  # fmt: skip
+            base, r2 = rerun(
+                args.python, args.pristine, args.work, "amended-pristine", [copy], 1,
+                args.wall_timeout,
+            )  # fmt: skip
+        finally:
+            (args.work / copy.split("::", 1)[0]).unlink(missing_ok=True)
+        runs += r1 + r2
+        if "passed" not in ours[copy]:
+            wrong.append(nid)
+            notes[nid] = f"the amended copy ({old} => {new}) fails too: {ours[copy]}"
+        elif "passed" in base[copy]:
+            stale.append(entry.pattern)
+            notes[nid] = f"the amended copy ({old} => {new}) passes on pristine too"
+        else:
+            notes[nid] = f"the amended copy ({old} => {new}) passes, and fails on pristine"
+    return wrong, stale, notes, runs
+
+
 def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, object]) -> int:
     known = load_known(args.known_failures)
-    changed = load_known(args.changed_by_series)
+    changed = load_changed(args.changed_by_series)
     first = run_pytest(args.python, args.lmcache, args.work, "patched", targets, args.wall_timeout)
     check_run(first, args.lmcache)
     failing = sorted(n for n, o in first.outcomes.items() if o in BAD)
@@ -689,6 +876,10 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     for nid, hist in confirm_hist.items():
         patched_hist[nid].extend(hist)
     suspects, pristine_fail, confirmed_flaky = classify(persistent, pristine_hist, confirm_hist)
+    patched_sigs = signatures_of([first, *patched_runs, *pristine_runs], args.lmcache)
+    pristine_sigs = signatures_of(pristine_runs, args.pristine)
+    differs = fail_for_another_reason(pristine_fail, patched_sigs, pristine_sigs)
+    pristine_fail = [n for n in pristine_fail if n not in differs]
     skipped = sorted(n for n, o in first.outcomes.items() if o == "skipped")
     skip_hist, skip_runs = rerun(
         args.python, args.pristine, args.work, "pristine-skipped", skipped, 1, args.wall_timeout
@@ -698,6 +889,21 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     by_rate, rates, rate_runs = judge_by_rate(args, rate_ids, changed)
     regressions = sorted(by_rate)
     flaky = sorted(n for n in suspects + flaky + confirmed_flaky if n not in by_rate)
+    rounds = {str(r["id"]): r for r in rates}
+    every_patched = {
+        n: [first.outcomes[n], *patched_hist.get(n, []), *round_outcomes(rounds[n], "patched")]
+        for n in flaky
+    }
+    every_pristine = {
+        n: [
+            *pristine_hist.get(n, []),
+            *skip_hist.get(n, []),
+            *round_outcomes(rounds[n], "pristine"),
+        ]
+        for n in flaky
+    }
+    brought = new_flakes(flaky, known, every_patched, every_pristine)
+    flaky = [n for n in flaky if n not in brought]
     unlisted = [n for n in pristine_fail if match_known(n, known) is None]
     flaky_unlisted = [n for n in flaky if match_known(n, known) is None]
     scope = targets if args.select else ["tests"]
@@ -707,7 +913,26 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     ]  # fmt: skip
 
     regressions, changed_tests, stale_changed = split_changed(regressions, changed, scope)
-    stale += stale_changed
+    wrong_changed, stale_amended, changed_notes, amended_runs = check_changed(
+        args, changed_tests, changed, patched_sigs
+    )
+    changed_tests = [n for n in changed_tests if n not in wrong_changed]
+    why: dict[str, str] = {}
+    for n in differs:
+        why[n] = (
+            f"fails on pristine too, but for another reason: here {sorted(patched_sigs[n])},"
+            f" on pristine {sorted(pristine_sigs[n])}"
+        )
+    for n in brought:
+        why[n] = (
+            f"a new intermittent failure, not in {args.known_failures.name}: not passed"
+            f" {not_passed(every_patched[n])}/{len(every_patched[n])} runs here, never on"
+            f" pristine ({len(every_pristine[n])} runs)"
+        )
+    for n in wrong_changed:
+        why[n] = f"changed by the series, but {changed_notes[n]}"
+    regressions = sorted({*regressions, *why})
+    stale += stale_changed + stale_amended
     final = {n: final_outcome(o, patched_hist.get(n, [])) for n, o in first.outcomes.items()}
     pristine_final = {
         n: ("passed" if "passed" in h else first.outcomes[n]) for n, h in pristine_hist.items()
@@ -728,6 +953,11 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
             "pristine": pristine_hist.get(nid, skip_hist.get(nid, [])),
             "rate_rounds": rate_of.get(nid),
             "known_reason": k.reason if k else None,
+            "signatures": {
+                "patched": sorted(patched_sigs.get(nid, set())),
+                "pristine": sorted(pristine_sigs.get(nid, set())),
+            },
+            "why": why.get(nid) or changed_notes.get(nid),
         }
 
     summary.update(
@@ -735,7 +965,7 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
         lmcache_imported=first.lmcache_file,
         seconds={
             r.label: round(r.seconds, 1)
-            for r in [first, *patched_runs, *pristine_runs, *skip_runs, *rate_runs]
+            for r in [first, *patched_runs, *pristine_runs, *skip_runs, *rate_runs, *amended_runs]
         },
         counts=columns,
         regressions=[explain(n) for n in regressions],
@@ -744,6 +974,8 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
         unlisted_pristine_failures=unlisted,
         flaky_on_patched=[explain(n) for n in flaky],
         flaky_unlisted=flaky_unlisted,
+        fails_for_another_reason=differs,
+        new_intermittent_failures=brought,
         skipped_on_patched_passed_on_pristine=skip_only,
         rate_rounds=rates,
         stale_known_failures=stale,
@@ -766,11 +998,19 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
         )
     for n in changed_tests:
         reason = match_known(n, changed).reason  # type: ignore[union-attr]
-        log(f"changed by the series (fails on patched by design): {n}  [{reason}]")
+        log(
+            f"changed by the series (fails on patched by design): {n}"
+            f"  [{reason}; {changed_notes[n]}]"
+        )
     for p in stale:
-        log(f"ERROR: stale entry (no collected test, or the test no longer fails): {p}")
+        log(
+            "ERROR: stale entry (no collected test, the test no longer fails, or its amendment"
+            f" finds nothing to amend or passes on pristine too): {p}"
+        )
     for n in regressions:
-        if n in rate_of:
+        if n in why:
+            log(f"REGRESSION: {n} {why[n]}")
+        elif n in rate_of:
             r = rate_of[n]
             log(
                 f"REGRESSION: {n} did not pass {r['patched_not_passed']} rate rounds on the build"
@@ -789,6 +1029,7 @@ def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     firsts: dict[str, dict[str, str]] = {}
     columns: dict[str, dict[str, dict[str, int]]] = {}
     seconds: dict[str, float] = {}
+    sigs: dict[str, dict[str, set[str]]] = {}
     for label, build in builds.items():
         preflight(args.python, build, args.work)
         first = run_pytest(
@@ -804,6 +1045,7 @@ def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
         columns[f"{label} (1st run)"] = tally(first.outcomes)
         columns[f"{label} (after rerun)"] = tally(finals[label])
         seconds.update({r.label: round(r.seconds, 1) for r in [first, *runs]})
+        sigs[label] = signatures_of([first, *runs], build)
     patched, pristine = finals["patched"], finals["pristine"]
     on_pristine = {n: outcome_for(n, pristine) for n in patched}
     regressions = sorted(n for n, o in patched.items() if o in BAD and on_pristine[n] == "passed")
@@ -812,12 +1054,16 @@ def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     seconds.update({r.label: round(r.seconds, 1) for r in rate_runs})
     regressions = sorted(regressions + by_rate)
     both = sorted(n for n, o in patched.items() if o in BAD and on_pristine[n] in BAD)
+    differs = fail_for_another_reason(both, sigs["patched"], sigs["pristine"])
+    both = [n for n in both if n not in differs]
+    regressions = sorted(regressions + differs)
     only_skipped = sorted(
         n for n, o in patched.items() if o == "skipped" and on_pristine[n] == "passed"
     )
     summary.update(
         mode="gpu", seconds=seconds, counts=columns, regressions=regressions,
-        fails_on_pristine_too=both, skipped_on_patched_passed_on_pristine=only_skipped,
+        fails_on_pristine_too=both, fails_for_another_reason=differs,
+        skipped_on_patched_passed_on_pristine=only_skipped,
         rate_rounds=rates,
     )  # fmt: skip
     log("\n" + markdown(columns) + "\n")
@@ -831,7 +1077,12 @@ def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
             f" {r['patched_not_passed']} rate rounds, pristine {r['pristine_not_passed']}"
         )
     for n in regressions:
-        if n not in by_rate:
+        if n in differs:
+            log(
+                f"REGRESSION: {n} fails on pristine too, but for another reason: here"
+                f" {sorted(sigs['patched'][n])}, on pristine {sorted(sigs['pristine'][n])}"
+            )
+        elif n not in by_rate:
             log(f"REGRESSION: {n} fails on the build under test, passes on pristine")
     return 1 if regressions else 0
 
@@ -839,9 +1090,9 @@ def gpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--python", required=True, help="interpreter with lmcache's deps + pytest")
-    ap.add_argument("--sdist", required=True, type=Path, help="lmcache-0.5.3.tar.gz")
+    ap.add_argument("--sdist", required=True, type=Path, help="lmcache-0.5.3.tar.gz or 0.5.6's")
     ap.add_argument("--lmcache", required=True, type=Path, help="dir holding the build under test")
-    ap.add_argument("--pristine", required=True, type=Path, help="dir holding pristine 0.5.3")
+    ap.add_argument("--pristine", required=True, type=Path, help="dir holding the pristine base")
     ap.add_argument("--work", required=True, type=Path, help="scratch dir for the sdist's tests")
     ap.add_argument("--out", type=Path, default=Path("results/upstream-cpu.json"))
     ap.add_argument("--gpu", action="store_true", help="run the CUDA-only files on both builds")
