@@ -2,8 +2,10 @@
 
 Every patch in patches/series (the 0.5.3 base) and bases/0.5.6/patches/series is a ``git
 format-patch`` file whose message is a DEP-3 header: a ``From:`` naming the project and an
-address, a real ``Date:``, a Description, a Forwarded value DEP-3 reads as intended (``no``,
-``not-needed`` or the URL it was sent to), and a Last-Update. A header may point back to an
+address, a ``Date:`` (when the patch's content last changed), a Description ending with a
+whole sentence, ``Origin: vendor``, a ``Bug:`` where an upstream issue is known, a Forwarded
+value DEP-3 reads as intended (``no``, ``not-needed`` or the URL it was sent to), and a
+Last-Update: the same fields in both series. A header may point back to an
 earlier patch of its series, never forward, and names the tests that pin it, which must
 exist. History and measurements live in the changelogs and docs/results.md, not in headers.
 """
@@ -64,6 +66,25 @@ def test_header_has_a_description_and_a_true_forwarded_value(name: str) -> None:
     assert re.match(r"(no|not-needed)\b|https?://", forwarded), forwarded
 
 
+FIELDS = ("From", "Date", "Subject", "Description", "Origin", "Forwarded", "Last-Update")
+
+
+@pytest.mark.parametrize("name", ALL_SERIES)
+def test_header_carries_the_dep3_fields_of_both_series(name: str) -> None:
+    header = _header(name)
+    missing = [f for f in FIELDS if _field(header, f) is None]
+    assert not missing, missing
+    assert _field(header, "Origin") == "vendor"
+    bug = _field(header, "Bug")
+    assert bug is None or re.fullmatch(r"https://github\.com/\S+/issues/\d+", bug), bug
+
+
+@pytest.mark.parametrize("name", ALL_SERIES)
+def test_header_description_ends_with_a_whole_sentence(name: str) -> None:
+    description = _field(_header(name), "Description") or ""
+    assert re.search(r"[.)!]$", description), description[-80:]
+
+
 @pytest.mark.parametrize("name", ALL_SERIES)
 def test_header_points_only_to_earlier_patches(name: str) -> None:
     number = int(Path(name).name[:4])
@@ -91,8 +112,11 @@ def test_header_carries_no_history(name: str) -> None:
 
 
 def test_the_series_applies_without_offset_or_fuzz(pristine_wheel: Path, tmp_path: Path) -> None:
+    from hybridfa_build import factory
+
     with zipfile.ZipFile(pristine_wheel) as zf:
         zf.extractall(tmp_path, [n for n in zf.namelist() if n.startswith("lmcache/")])
+    factory.add_sources(tmp_path)
     for name in SERIES:
         proc = subprocess.run(
             ["git", "apply", "-v", str(PATCHES / name)],
