@@ -101,11 +101,11 @@ class Session:
 
     def __init__(self, spec: dict[str, Any], result: dict[str, Any]) -> None:
         self.spec, self.result = spec, result
-        self.llm = ep._start(spec, result)
+        self.llm = ep.start_engine(spec, result)
         result["engine_mode"] = engine_mode(self.llm)
         self.llm.collective_rpc(rpc_install_block_hook)
         ep.TAP = ep.PrefillTap(self.llm.llm_engine.engine_core)
-        self.greedy = ep._sampling(int(spec["new_tokens"]))
+        self.greedy = ep.sampling(int(spec["new_tokens"]))
         self.tier = Path(spec["tier"]) if spec.get("tier") else None
         self.suffix = spec.get("suffix", ".data")
         self.offload = spec.get("connector") == "offloading"
@@ -114,10 +114,10 @@ class Session:
         self.calls = miss_path.CallTimer()
         deadline = spec.get("deadline")
         self.budget = Budget(None if deadline is None else deadline - DEADLINE_MARGIN_S)
-        ep._generate(self.llm, spec["warmup"], ep._sampling(2))
+        ep.generate(self.llm, spec["warmup"], ep.sampling(2))
 
     def timed(self, tokens: list[int], steps: list | None = None) -> dict[str, Any]:
-        return ep._generate_timed(self.llm, tokens, self.greedy, steps)[1]
+        return ep.generate_timed(self.llm, tokens, self.greedy, steps)[1]
 
     def cold(self, tokens: list[int]) -> dict[str, Any]:
         """A timed cold prefill: its steps and, with a connector, its connector calls."""
@@ -204,7 +204,7 @@ def run_store(s: Session, spec: dict[str, Any], result: dict[str, Any]) -> None:
         if not s.budget.fits():
             break
         t0 = time.time()
-        out, got = ep._generate_timed(s.llm, tokens, s.greedy)
+        out, got = ep.generate_timed(s.llm, tokens, s.greedy)
         got.update(tokens=list(out.outputs[0].token_ids), kv_hashes=_kv(s.llm, tokens))
         q = s.quiet(len(s.keep) + s.chunks(tokens), quiet_s=3.0)
         got["files"] = {f: size for f, (size, _) in q["files"].items() if f not in s.keep}
@@ -220,9 +220,9 @@ def run_store(s: Session, spec: dict[str, Any], result: dict[str, Any]) -> None:
 def run_restore(s: Session, spec: dict[str, Any], result: dict[str, Any]) -> None:
     """The warm-up, then rounds of ``kinds`` while the budget lasts."""
     s.keep = set(s.quiet()["files"])
-    if hook := ep._time_lookups(s.llm, s.lookups):
+    if hook := ep.time_lookups(s.llm, s.lookups):
         result["lookups_timed"] = hook
-    sched = ep._scheduler_connector(s.llm)
+    sched = ep.scheduler_connector(s.llm)
     result["timed_methods"] = s.calls.wrap(sched, "scheduler", miss_path.SCHEDULER_METHODS)
     worker = miss_path.worker_connector()
     result["timed_methods"] += s.calls.wrap(worker, "worker", miss_path.WORKER_METHODS)

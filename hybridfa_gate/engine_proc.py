@@ -117,7 +117,7 @@ def _output(o: Any) -> dict[str, Any]:
     }
 
 
-def _generate_timed(
+def generate_timed(
     llm: Any, prompt: list[int], params: Any, steps: list | None = None, lora: Any = None
 ) -> tuple[Any, dict[str, Any]]:
     """One request through LLMEngine's step loop: its final output and its TTFT, request time,
@@ -156,15 +156,15 @@ def _generate_timed(
                 }
 
 
-def _scheduler_connector(llm: Any) -> Any:
+def scheduler_connector(llm: Any) -> Any:
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
     return getattr(getattr(core, "scheduler", None), "connector", None)
 
 
-def _time_lookups(llm: Any, calls: list[dict[str, Any]]) -> bool:
+def time_lookups(llm: Any, calls: list[dict[str, Any]]) -> bool:
     """Record every call of the scheduler-side connector's lookup. One returns None tokens
     while LMCache still brings the chunks into L1; the scheduler asks again next step."""
-    connector = _scheduler_connector(llm)
+    connector = scheduler_connector(llm)
     if connector is None:
         return False
     lookup = connector.get_num_new_matched_tokens
@@ -181,15 +181,15 @@ def _time_lookups(llm: Any, calls: list[dict[str, Any]]) -> bool:
 
 @contextlib.contextmanager
 def lookups_timed(llm: Any, calls: list[dict[str, Any]], wanted: bool = True) -> Iterator[bool]:
-    """``_time_lookups`` for the requests run inside only (``wanted``); yields whether the
+    """``time_lookups`` for the requests run inside only (``wanted``); yields whether the
     lookups are timed."""
-    connector = _scheduler_connector(llm)
+    connector = scheduler_connector(llm)
     if not wanted or connector is None:
         yield False
         return
     name = "get_num_new_matched_tokens"
     own = connector.__dict__.get(name)
-    _time_lookups(llm, calls)
+    time_lookups(llm, calls)
     try:
         yield True
     finally:
@@ -342,7 +342,7 @@ def resolved_compilation(llm: Any) -> dict[str, Any]:
 def _count_block_table_resyncs(llm: Any) -> dict[str, int] | None:
     """Count the connector tracker's resyncs that found vLLM's block table rewritten in place (the
     speculative tail's moves, freed skipped blocks); None without a resync (pristine)."""
-    connector = _scheduler_connector(llm)
+    connector = scheduler_connector(llm)
     module = sys.modules.get(type(connector).__module__) if connector is not None else None
     tracker = getattr(module, "LMCacheMPRequestTracker", None)
     sync = getattr(tracker, "sync_block_ids", None)
@@ -363,7 +363,7 @@ def _count_block_table_resyncs(llm: Any) -> dict[str, int] | None:
     return counts
 
 
-def _start(spec: dict[str, Any], result: dict[str, Any]) -> Any:
+def start_engine(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     """The engine with the spec's weights (weight_std null: the dummy weights, for timing)."""
     llm = _build_llm(spec, result, time.monotonic())
     inits = [{"fingerprint": "dummy"}]
@@ -375,14 +375,14 @@ def _start(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     return llm
 
 
-def _sampling(max_tokens: int, logprobs: int | None = None) -> Any:
+def sampling(max_tokens: int, logprobs: int | None = None) -> Any:
     from vllm import SamplingParams
 
     greedy = {"temperature": 0.0, "detokenize": False, "ignore_eos": True}
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **greedy)
 
 
-def _generate(llm: Any, tokens: list[int], params: Any) -> Any:
+def generate(llm: Any, tokens: list[int], params: Any) -> Any:
     from vllm.inputs import TokensPrompt
 
     return llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
@@ -397,15 +397,15 @@ HEALTH_ROLES = ("restore", "cold", "fault-store")
 def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     """A gate role: the measured request and what the spec asks around it."""
     global TAP
-    llm = _start(spec, result)
+    llm = start_engine(spec, result)
     result["model_runner"] = llm.collective_rpc(rpc_install_block_hook)[0]
     TAP = PrefillTap(llm.llm_engine.engine_core)
     resyncs = _count_block_table_resyncs(llm)
-    greedy = _sampling(spec["new_tokens"], spec["top_k"])
+    greedy = sampling(spec["new_tokens"], spec["top_k"])
     loras = lora_requests(spec)
-    _generate(llm, spec["warmup"], _sampling(2))
+    generate(llm, spec["warmup"], sampling(2))
     for name, tokens in (spec.get("warm_first") or {}).items():
-        result.setdefault("warm_first", {})[name] = _generate_timed(llm, tokens, greedy)[1]
+        result.setdefault("warm_first", {})[name] = generate_timed(llm, tokens, greedy)[1]
 
     # The measured request, watched: its checkpoints copied as they complete, a restore's
     # lookups and steps timed. Its TTFT is reported, and (d) times other requests.
@@ -416,7 +416,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     lora = loras.get(spec.get("prompt_lora") or "")
     with lookups_timed(llm, lookups, spec["role"] == "restore") as timed_lookups:
         e0, t0 = time.time(), time.perf_counter()
-        out, timed = _generate_timed(llm, spec["prompt"], greedy, steps, lora)
+        out, timed = generate_timed(llm, spec["prompt"], greedy, steps, lora)
     result.update(timed, request_epoch=[e0, time.time()], **_output(out))
     if timed_lookups:
         result["timeline"] = restore_timeline(t0, result["ttft_s"], lookups, steps)
@@ -441,7 +441,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     if second := spec.get("second"):
         # The same prompt under another LoRA adapter, right after the measured request.
         lora = loras[second["lora"]]
-        out2, timed2 = _generate_timed(llm, spec["prompt"], greedy, None, lora)
+        out2, timed2 = generate_timed(llm, spec["prompt"], greedy, None, lora)
         result["second"] = {"lora": second["lora"], **timed2, **_output(out2)}
         args = (spec["prompt_key"], len(spec["prompt"]))
         result["second"]["kv_hashes"] = llm.collective_rpc(rpc_kv_hashes, args=args)
@@ -450,7 +450,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
         # vLLM's own prefix cache serves turn 1's prompt and answer to turn 2.
         p2 = [*spec["prompt"], *result["tokens"], *spec["turn2_question"]]
         llm.collective_rpc(rpc_watch_checkpoints, args=(prompt_key(p2),))
-        out2, timed2 = _generate_timed(llm, p2, _sampling(spec["turn2_new_tokens"], spec["top_k"]))
+        out2, timed2 = generate_timed(llm, p2, sampling(spec["turn2_new_tokens"], spec["top_k"]))
         result["turn2"] = {"prompt_tokens": len(p2), **timed2, **_output(out2)}
         args = (prompt_key(p2), len(p2))
         result["turn2"]["kv_hashes"] = llm.collective_rpc(rpc_kv_hashes, args=args)
@@ -461,12 +461,12 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
         turns: list[dict[str, Any]] = []
         with timing_turn(TIMING_LOCK, turns):
             for pair in pairs:
-                timed = {name: _generate_timed(llm, t, greedy)[1] for name, t in pair.items()}
+                timed = {name: generate_timed(llm, t, greedy)[1] for name, t in pair.items()}
                 result.setdefault("timed_pairs", []).append(timed)
         result["timing_turns"] = turns
 
     for tokens in spec.get("also_store") or []:
-        _generate(llm, tokens, _sampling(2))
+        generate(llm, tokens, sampling(2))
     if spec.get("step_until_idle_s"):  # the OffloadingConnector's stores move only as we step
         sched = llm.llm_engine.engine_core.engine_core.scheduler
         until = time.monotonic() + float(spec["step_until_idle_s"])
@@ -477,7 +477,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     if spec["role"] in HEALTH_ROLES:
         t1, e1 = time.perf_counter(), time.time()
         try:
-            toks = list(_generate(llm, spec["health"], _sampling(8)).outputs[0].token_ids)
+            toks = list(generate(llm, spec["health"], sampling(8)).outputs[0].token_ids)
             result["health"] = {"ok": len(toks) == 8, "tokens": toks, "s": time.perf_counter() - t1}
         except Exception as e:  # noqa: BLE001 - reported, judged by the gate
             result["health"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -495,15 +495,15 @@ def run_load(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     then ``drain_s`` at most; one JSON line per finished request goes to records_path."""
     from vllm.inputs import TokensPrompt
 
-    llm = _start(spec, result)
+    llm = start_engine(spec, result)
     if (n := result["cache_block_size"]) != spec["block_size"]:  # load.py's block keys need it
         raise RuntimeError(f"vLLM block size {n} != the expected {spec['block_size']}")
-    _generate(llm, spec["warmup"], _sampling(2))
+    generate(llm, spec["warmup"], sampling(2))
     spec["stop_admitting_epoch"] = time.time() + float(spec["load_s"])
     spec["end_epoch"] = spec["stop_admitting_epoch"] + float(spec["drain_s"])
     engine = llm.llm_engine
     tap = PrefillTap(engine.engine_core)
-    params = _sampling(spec["new_tokens"])
+    params = sampling(spec["new_tokens"])
     # LLMEngine.add_request takes a prompt rendered the way LLM.generate renders it.
     render = getattr(llm, "_preprocess_cmpl_one", None) or (lambda prompt: prompt)
 

@@ -49,11 +49,11 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         out = NS(outputs=[NS(token_ids=[3, 4])])
         return out, {**got, "probe": [{"epoch": 1.0}, {"epoch": 2.0}]}
 
-    monkeypatch.setattr(be.ep, "_start", lambda spec, result: llm)
-    monkeypatch.setattr(be.ep, "_generate", lambda *a: None)
-    monkeypatch.setattr(be.ep, "_generate_timed", timed)
-    monkeypatch.setattr(be.ep, "_time_lookups", lambda llm_, calls: True)
-    monkeypatch.setattr(be.ep, "_scheduler_connector", lambda llm_: None)
+    monkeypatch.setattr(be.ep, "start_engine", lambda spec, result: llm)
+    monkeypatch.setattr(be.ep, "generate", lambda *a: None)
+    monkeypatch.setattr(be.ep, "generate_timed", timed)
+    monkeypatch.setattr(be.ep, "time_lookups", lambda llm_, calls: True)
+    monkeypatch.setattr(be.ep, "scheduler_connector", lambda llm_: None)
     monkeypatch.setattr(be.ep, "PrefillTap", lambda core: None)
     monkeypatch.setattr(be, "engine_mode", lambda llm_: {"enforce_eager": False})
     monkeypatch.setattr(be, "_kv", lambda llm_, tokens: [{"rank": 0}])

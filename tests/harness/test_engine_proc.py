@@ -337,10 +337,10 @@ def test_a_restore_engine_watches_its_measured_request_and_times_others_unwatche
         seen[str(tokens[0])] = (bool(watching), timed)
         return out, {"ttft_s": 0.1, "num_cached_tokens": 80}
 
-    monkeypatch.setattr(engine_proc, "_start", lambda spec, result: llm)
-    monkeypatch.setattr(engine_proc, "_sampling", lambda *a: None)
-    monkeypatch.setattr(engine_proc, "_generate", lambda *a: out)
-    monkeypatch.setattr(engine_proc, "_generate_timed", generate_timed)
+    monkeypatch.setattr(engine_proc, "start_engine", lambda spec, result: llm)
+    monkeypatch.setattr(engine_proc, "sampling", lambda *a: None)
+    monkeypatch.setattr(engine_proc, "generate", lambda *a: out)
+    monkeypatch.setattr(engine_proc, "generate_timed", generate_timed)
     monkeypatch.setattr(engine_proc, "PrefillTap", lambda core: None)
     monkeypatch.setattr(engine_proc, "TIMING_LOCK", tmp_path / "timing.lock")
     spec = {
