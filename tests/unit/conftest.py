@@ -10,32 +10,33 @@ from typing import Any
 import pytest
 
 
+def _temp_env_folder(
+    tmp_path_factory: pytest.TempPathFactory, variable: str
+) -> Iterator[Path]:
+    """``$variable`` pointing at a new temp folder while the session lasts (child
+    processes inherit it)."""
+    folder = tmp_path_factory.mktemp(variable.lower())
+    before = os.environ.get(variable)
+    os.environ[variable] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop(variable, None)
+    else:
+        os.environ[variable] = before
+
+
 @pytest.fixture(autouse=True, scope="session")
 def tier_secret_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """$XDG_CONFIG_HOME in a temp folder: the L2 adapters create their default tier secret
-    there (lmcache/l2-tier.key), not in the user's home. Child processes inherit it."""
-    home = tmp_path_factory.mktemp("xdg-config")
-    before = os.environ.get("XDG_CONFIG_HOME")
-    os.environ["XDG_CONFIG_HOME"] = str(home)
-    yield home
-    if before is None:
-        os.environ.pop("XDG_CONFIG_HOME", None)
-    else:
-        os.environ["XDG_CONFIG_HOME"] = before
+    there (lmcache/l2-tier.key), not in the user's home."""
+    yield from _temp_env_folder(tmp_path_factory, "XDG_CONFIG_HOME")
 
 
 @pytest.fixture(autouse=True, scope="session")
 def digest_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """$XDG_CACHE_HOME in a temp folder: the connector keeps its weight-file digests
     there (lmcache-hybridfa/file-digests), not in the user's home."""
-    home = tmp_path_factory.mktemp("xdg-cache")
-    before = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(home)
-    yield home
-    if before is None:
-        os.environ.pop("XDG_CACHE_HOME", None)
-    else:
-        os.environ["XDG_CACHE_HOME"] = before
+    yield from _temp_env_folder(tmp_path_factory, "XDG_CACHE_HOME")
 
 
 @pytest.fixture

@@ -7,7 +7,9 @@ is a ctypes-backed memoryview (format ``<B``), which is what the server hands th
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -87,3 +89,26 @@ def load(adapter: Any, keys: list[Any], nbytes: int) -> tuple[list[bool], list[B
     task = adapter.submit_load_task(keys, bufs)
     bitmap = wait_for(lambda: adapter.query_load_result(task), "fs L2 load")
     return [bitmap.test(i) for i in range(len(keys))], bufs
+
+
+class HeldLoads:
+    """Every fs load reads its file only after ``release()``; ``started`` is set by the
+    first."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from lmcache.v1.distributed.l2_adapters import fs_l2_adapter
+
+        self.started = threading.Event()
+        self._released = threading.Event()
+        readinto = fs_l2_adapter._async_readinto_full
+
+        async def held(f: Any, buf: Any) -> int:
+            self.started.set()
+            while not self._released.is_set():
+                await asyncio.sleep(0.01)
+            return await readinto(f, buf)
+
+        monkeypatch.setattr(fs_l2_adapter, "_async_readinto_full", held)
+
+    def release(self) -> None:
+        self._released.set()

@@ -13,7 +13,6 @@ until the clear and another prompt's store are done.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,33 +25,11 @@ pytestmark = pytest.mark.bases("0.5.3")
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
 
+from fs_l2_driver import HeldLoads  # noqa: E402
 from hybrid_kv import build_hybrid_kv  # noqa: E402
 from restore_server import BASE, BLOCKS, NUM_BLOCKS, N, store, store_ids, tokens  # noqa: E402
 
 TIMEOUT_S = 10.0
-
-
-class HeldLoads:
-    """Every fs load reads its file only after ``release()``; ``started`` is set by the
-    first."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from lmcache.v1.distributed.l2_adapters import fs_l2_adapter
-
-        self.started = threading.Event()
-        self._released = threading.Event()
-        readinto = fs_l2_adapter._async_readinto_full
-
-        async def held(f: Any, buf: Any) -> int:
-            self.started.set()
-            while not self._released.is_set():
-                await asyncio.sleep(0.01)
-            return await readinto(f, buf)
-
-        monkeypatch.setattr(fs_l2_adapter, "_async_readinto_full", held)
-
-    def release(self) -> None:
-        self._released.set()
 
 
 @dataclass

@@ -12,7 +12,6 @@ until the clear and the next allocation are done.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ pytestmark = pytest.mark.bases("0.5.6")
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
 
+from fs_l2_driver import HeldLoads  # noqa: E402
 from mp_server_056 import MODEL, Server  # noqa: E402
 
 TIMEOUT_S = 10.0
@@ -35,27 +35,16 @@ class Loading:
     ``finish()``."""
 
     def __init__(self, base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        from lmcache.v1.distributed.l2_adapters import fs_l2_adapter
-
         self.server = Server(base, f'{{"type":"fs","base_path":"{base}"}}')
         self.server.register(hybrid=True)
         self.server.seed_l2(fill=0xA5)
-        self.started, self._released = threading.Event(), threading.Event()
-        readinto = fs_l2_adapter._async_readinto_full
-
-        async def held(f: Any, buf: Any) -> int:
-            self.started.set()
-            while not self._released.is_set():
-                await asyncio.sleep(0.01)
-            return await readinto(f, buf)
-
-        monkeypatch.setattr(fs_l2_adapter, "_async_readinto_full", held)
+        self.held = HeldLoads(monkeypatch)
         self.lookup = threading.Thread(target=self.server.hit_chunks, args=("loaded",))
         self.lookup.start()
-        assert self.started.wait(TIMEOUT_S), "no load started"
+        assert self.held.started.wait(TIMEOUT_S), "no load started"
 
     def finish(self) -> None:
-        self._released.set()
+        self.held.release()
         self.lookup.join(TIMEOUT_S)
 
 
