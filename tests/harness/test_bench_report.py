@@ -228,13 +228,13 @@ def test_every_pieces_no_connector_colds_show_in_one_cold_row() -> None:
 
 def test_pieces_of_another_gpu_model_or_revision_are_not_merged(tmp_path: Path) -> None:
     a = piece("a", "1", {KEY: row("default", [judged()], [5.0])})
-    b = piece("b", "2", {KEY: row("default", [judged()], [5.0])}, gpu_model="NVIDIA H200")
+    b = piece("b", "2", {KEY: row("default", [judged()], [5.0])}, gpu_model="NVIDIA H100 PCIe")
     c = piece("c", "3", {KEY: row("default", [judged()], [5.0])}, revision=["x", "y"])
     with pytest.raises(report.MergeError):
         report.merge_pieces([a, b])
     written = report.write_merged([a, b, c], tmp_path / "bench.json")
     assert len(written) == 3 and all(p.exists() for p, _ in written)
-    assert any("nvidia-h200" in p.name for p, _ in written)
+    assert any("nvidia-h100-pcie" in p.name for p, _ in written)
 
 
 def test_pieces_of_two_lmcache_056_versions_are_not_merged() -> None:
