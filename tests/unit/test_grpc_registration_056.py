@@ -25,6 +25,8 @@ import pytest
 pytestmark = pytest.mark.bases("0.5.6")
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
+# The lmcache 0.5.3 base imports this file too (its tests skip here), and has no such module.
+pytest.importorskip("lmcache.v1.multiprocess.request_handler", reason="an lmcache 0.5.6 module")
 
 from mp_server_056 import MODEL, TOKENS_PER_BLOCK, Server  # noqa: E402
 from vllm_kv_alloc import _Wrapper, build_registration, connector_view  # noqa: E402
