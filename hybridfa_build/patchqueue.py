@@ -58,7 +58,9 @@ def make_queue(queue: Path, tag: str | None = None, base_name: str = factory.DEF
         members = [n for n in zf.namelist() if n.startswith("lmcache/") and not n.endswith(".so")]
         zf.extractall(queue, members)
     _git(queue, "init", "-q", "-b", "main")
-    _git(queue, "add", "-A")
+    # Every file of the wheel, also those its own .gitignore names (0.5.6's generated
+    # protobuf bindings), so that a patch can change them.
+    _git(queue, "add", "-A", "--force")
     _git(queue, "commit", "-q", "-m", f"pristine {base.name}", env=_GIT_ENV)
     _git(queue, "tag", PRISTINE_TAG)
     factory.add_sources(queue)
