@@ -136,7 +136,7 @@ def cpu_run(
     args = argparse.Namespace(
         python="python", lmcache=tmp_path / "patched", pristine=tmp_path / "pristine",
         work=tmp_path, wall_timeout=60, known_failures=tmp_path / "known.txt",
-        changed_by_series=tmp_path / "changed.txt", select=None, rate_rounds=5,
+        changed_by_series=tmp_path / "changed.txt", select=None, touched=False, rate_rounds=5,
     )  # fmt: skip
     summary: dict[str, object] = {}
     return runner.cpu_mode(args, ["tests"], summary), summary
@@ -480,3 +480,35 @@ def test_gpu_mode_fails_a_test_failing_on_both_builds_for_another_reason(
     summary: dict[str, object] = {}
     assert runner.gpu_mode(_rate_args(tmp_path, 5), ["tests"], summary) == 1
     assert summary["fails_for_another_reason"] == [FLAKY]
+
+
+def test_changed_modules_are_those_the_build_adds_or_changes(tmp_path: Path) -> None:
+    for tree, files in {
+        "pristine": {"a.py": "x = 1\n", "b.py": "x = 1\n"},
+        "build": {"a.py": "x = 1\n", "b.py": "x = 2\n", "c/__init__.py": ""},
+    }.items():
+        for rel, text in files.items():
+            f = tmp_path / tree / "lmcache" / rel
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(text)
+    changed = runner.changed_modules(tmp_path / "build", tmp_path / "pristine")
+    assert changed == {"lmcache.b", "lmcache.c"}
+
+
+def test_touched_tests_are_the_files_that_import_a_changed_module(tmp_path: Path) -> None:
+    sources = {
+        "test_from_package.py": "from lmcache.v1 import b, other\n",
+        "test_from_module.py": "from lmcache.v1.b import (\n    Thing,\n)\n",
+        "sub/test_submodule.py": "import lmcache.v1.b.inner as inner\n",
+        "test_prefix_only.py": "from lmcache.v1 import bb\n",
+        "test_other.py": "import os\nfrom lmcache.v1.a import b\n",
+    }
+    for rel, text in sources.items():
+        f = tmp_path / "tests" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    assert runner.touched_tests(tmp_path, {"lmcache.v1.b"}) == [
+        "tests/sub/test_submodule.py",
+        "tests/test_from_module.py",
+        "tests/test_from_package.py",
+    ]

@@ -199,6 +199,50 @@ def fingerprint(build: Path) -> str:
     return h.hexdigest()
 
 
+def module_name(rel: Path) -> str:
+    parts = rel.with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def changed_modules(build: Path, pristine: Path) -> set[str]:
+    """Dotted names of the lmcache modules that ``build`` adds or changes against ``pristine``."""
+    out = set()
+    for f in (build / "lmcache").rglob("*.py"):
+        rel = f.relative_to(build)
+        old = pristine / rel
+        if not old.is_file() or old.read_bytes() != f.read_bytes():
+            out.add(module_name(rel))
+    return out
+
+
+IMPORT = re.compile(
+    r"^\s*(?:from\s+(lmcache[\w.]*)\s+import\s+\(?([\w\s,]*)|import\s+(lmcache[\w.]*))", re.M
+)
+
+
+def imported_modules(source: str) -> set[str]:
+    """Every lmcache module a test file names in an import, and ``module.name`` for each name
+    it imports from one (that name may be a submodule)."""
+    out = set()
+    for frm, names, plain in IMPORT.findall(source):
+        if plain:
+            out.add(plain)
+            continue
+        out.add(frm)
+        out.update(f"{frm}.{n}" for n in re.split(r"[\s,]+", names) if n)
+    return out
+
+
+def touched_tests(work: Path, modules: set[str]) -> list[str]:
+    """The suite's test files that import one of ``modules`` or something inside one."""
+    hits = []
+    for f in sorted((work / "tests").rglob("test_*.py")):
+        names = imported_modules(f.read_text(errors="replace"))
+        if any(n == m or n.startswith(m + ".") for n in names for m in modules):
+            hits.append(str(f.relative_to(work)))
+    return hits
+
+
 # ---------------------------------------------------------------- process hygiene
 
 
@@ -909,7 +953,7 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
     flaky = [n for n in flaky if n not in brought]
     unlisted = [n for n in pristine_fail if match_known(n, known) is None]
     flaky_unlisted = [n for n in flaky if match_known(n, known) is None]
-    scope = targets if args.select else ["tests"]
+    scope = targets if args.select or args.touched else ["tests"]
     stale = [
         k.pattern for k in known
         if in_scope(k.pattern, scope) and not any(k.regex.match(n) for n in first.outcomes)
@@ -1100,6 +1144,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("results/upstream-cpu.json"))
     ap.add_argument("--gpu", action="store_true", help="run the CUDA-only files on both builds")
     ap.add_argument("--select", nargs="+", metavar="PATH", help="test paths/ids to run instead")
+    ap.add_argument(
+        "--touched", action="store_true",
+        help="run only the test files that import a module the build adds or changes",
+    )  # fmt: skip
     ap.add_argument("--known-failures", type=Path, default=KNOWN_FAILURES)
     ap.add_argument("--changed-by-series", type=Path, default=CHANGED_BY_SERIES)
     ap.add_argument("--wall-timeout", type=int, default=3600, help="seconds per pytest run")
@@ -1128,9 +1176,22 @@ def execute(args: argparse.Namespace) -> int:
     started = time.monotonic()
     digest = extract_sdist(args.sdist, args.work, args.python)
     targets = list(args.select or (GPU_PATHS if args.gpu else ("tests",)))
+    selection = "every test file" if targets == ["tests"] else "the files and ids given"
+    if args.touched:
+        modules = changed_modules(args.lmcache, args.pristine)
+        targets = touched_tests(args.work, modules)
+        every = len(list((args.work / "tests").rglob("test_*.py")))
+        selection = (
+            f"the {len(targets)} of {every} test files that import one of the {len(modules)} "
+            "modules the build adds or changes"
+        )
+        log(f"[select] {selection}")
+        if not targets:
+            raise Abort("no test file imports a module the build adds or changes")
     summary: dict[str, object] = {
         "sdist": str(args.sdist), "sdist_sha256": digest, "python": args.python,
         "lmcache": str(args.lmcache), "pristine": str(args.pristine), "targets": targets,
+        "selection": selection,
     }  # fmt: skip
     prints = {str(b): fingerprint(b) for b in (args.lmcache, args.pristine)}
     summary["build_sha256"] = prints
