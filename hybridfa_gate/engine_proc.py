@@ -35,6 +35,7 @@ from hybridfa_gate.worker import (
     rpc_init_weights,
     rpc_install_block_hook,
     rpc_kv_hashes,
+    rpc_model_runner,
     rpc_watch_checkpoints,
 )
 
@@ -366,6 +367,8 @@ def _count_block_table_resyncs(llm: Any) -> dict[str, int] | None:
 def start_engine(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     """The engine with the spec's weights (weight_std null: the dummy weights, for timing)."""
     llm = _build_llm(spec, result, time.monotonic())
+    # vLLM's V1 or V2 model runner, as vLLM chose it (worker.runner_name)
+    result["model_runner"] = llm.collective_rpc(rpc_model_runner)[0]
     inits = [{"fingerprint": "dummy"}]
     if spec.get("weight_std") is not None:
         args = (spec["weight_seed"], spec["weight_std"])
@@ -398,7 +401,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> Any:
     """A gate role: the measured request and what the spec asks around it."""
     global TAP
     llm = start_engine(spec, result)
-    result["model_runner"] = llm.collective_rpc(rpc_install_block_hook)[0]
+    llm.collective_rpc(rpc_install_block_hook)
     TAP = PrefillTap(llm.llm_engine.engine_core)
     resyncs = _count_block_table_resyncs(llm)
     greedy = sampling(spec["new_tokens"], spec["top_k"])

@@ -82,8 +82,10 @@ def child_env(lmcache_dir: Path | None, layout: str | None) -> dict[str, str]:
     # worker-side hooks see the same objects; callables are still allowed for TP > 1.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    # The worker-side hooks read the V1 GPUModelRunner, which hybrid models default to.
-    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    # No VLLM_USE_V2_MODEL_RUNNER: the engines run the model runner vLLM picks, as users'
+    # do (V1 for hybrid models on vLLM 0.26-0.28, V2 from 0.29; 0.34 has V2 only and refuses
+    # the variable set to 0); the worker-side hooks read either, and each engine's result
+    # names it ("model_runner").
     # Every Qwen3.5 engine re-ran Triton's autotuning of the GDN kernels (its cases took
     # 340 s against 135-195 s for OlmoHybrid's, 2026-11-29): keep the results on disk.
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")

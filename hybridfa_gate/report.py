@@ -45,6 +45,13 @@ def resolved_graphs(rec: dict[str, Any]) -> str:
     return "/".join(modes) or "-"
 
 
+def model_runners(report: dict[str, Any]) -> str:
+    """The vLLM model runners the run's engines ran on (``worker.runner_name``), "" where
+    none reported one."""
+    engines = [e for rec in report["cases"] for e in (rec.get("engines") or {}).values() if e]
+    return ", ".join(dict.fromkeys(e["model_runner"] for e in engines if e.get("model_runner")))
+
+
 def table_row(arm: str, rec: dict[str, Any]) -> list[str]:
     ev = rec.get("eval", {})
     g = rec["geometry"]
@@ -76,6 +83,7 @@ def markdown_report(report: dict[str, Any]) -> str:
         "",
         f"- hardware: {report.get('hardware')}",
         f"- versions: {report.get('versions')}",
+        f"- model runner: {model_runners(report) or '-'}",
         f"- extra server args: {report.get('server_args') or 'none'}",
         f"- cases run: {len(report['cases'])}",
         "",

@@ -1,12 +1,32 @@
 """Worker-side helpers of the engine process, plain functions for ``LLM.collective_rpc``:
-``self`` is the worker (or its wrapper). They import torch inside and reach the model runner
-through vLLM's V1 ``GPUModelRunner`` attributes (``requests``, ``_update_states``,
-``kv_cache_config``, ``compilation_config.static_forward_context``)."""
+``self`` is the worker (or its wrapper). They import torch inside and read the model runner
+vLLM runs, either of its two, told apart by what the runner object holds (``runner_kind``):
+
+- V1, ``vllm/v1/worker/gpu_model_runner.py`` (vLLM 0.26-0.33; hybrid models run on it through
+  0.28, later only with VLLM_USE_V2_MODEL_RUNNER=0): ``requests`` (request id ->
+  CachedRequestState: ``prompt_token_ids``, ``block_ids`` per KV cache group,
+  ``num_computed_tokens``), updated each step by ``_update_states``; the MTP layer in
+  ``drafter.model``.
+- V2, ``vllm/v1/worker/gpu/model_runner.py`` (Model Runner V2: hybrid models run on it from
+  0.29, and 0.34 has no other): ``req_states`` (``req_id_to_index``: request id -> row,
+  ``num_computed_tokens_np``) and ``block_tables`` (``append_block_ids``, the one writer of a
+  row's block ids; on the GPU, ``block_tables[g].gpu`` rows of ``num_blocks.np[g, row]`` ids),
+  updated each step by ``add_requests`` and ``update_requests``; the MTP layer in
+  ``speculator.model``.
+
+Both bind each layer's KV cache to ``compilation_config.static_forward_context[layer].kv_cache``
+and keep ``kv_cache_config`` and ``get_model()``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+from hybridfa_gate.prompts import prompt_key
+
+# What each runner holds that the hooks read (the state) and wrap (the step's state update).
+V1_ATTRS = ("requests", "_update_states")
+V2_ATTRS = ("req_states", "block_tables", "update_requests")
 
 
 def runner(self: Any) -> Any:
@@ -18,17 +38,46 @@ def rank_of(self: Any) -> int:
     return int((getattr(self, "worker", None) or self).rank)  # vLLM's WorkerBase sets it
 
 
+def runner_kind(mr: Any) -> str:
+    """The runner's kind, V1 or V2, by what it holds (``V1_ATTRS``, ``V2_ATTRS``), not by
+    vLLM's version."""
+    kinds = {"V1": V1_ATTRS, "V2": V2_ATTRS}
+    for kind, attrs in kinds.items():
+        if all(hasattr(mr, a) for a in attrs):
+            return kind
+    lacks = " and ".join(
+        f"{kind}'s {', '.join(a for a in attrs if not hasattr(mr, a))}"
+        for kind, attrs in kinds.items()
+    )
+    raise RuntimeError(
+        f"{type(mr).__module__}.{type(mr).__qualname__} is neither of the vLLM model runners "
+        f"the gate's hooks read: it lacks {lacks}"
+    )
+
+
+def runner_name(mr: Any) -> str:
+    """The runner's kind and class, for the engine's report, e.g.
+    "V2 vllm.v1.worker.gpu.model_runner.GPUModelRunner"."""
+    return f"{runner_kind(mr)} {type(mr).__module__}.{type(mr).__qualname__}"
+
+
+def rpc_model_runner(self: Any) -> str:
+    """``runner_name`` of this worker's model runner."""
+    return runner_name(runner(self))
+
+
 def rpc_init_weights(self: Any, seed: int, std: float) -> dict[str, Any]:
     """Re-initialise every parameter from a per-name seed: N(0, std), norms 1 + N(0, std), so
     identical after every restart and not load_format="dummy"'s degenerate output. A drafter's
-    own parameters (an MTP layer) too, as "drafter.*"; those it shares keep the target's."""
+    own parameters (an MTP layer: V1's ``drafter.model``, V2's ``speculator.model``) too, as
+    "drafter.*"; those it shares keep the target's."""
     import hashlib
 
     import torch
 
     mr = runner(self)
     params = list(mr.get_model().named_parameters())
-    drafter = getattr(getattr(mr, "drafter", None), "model", None)
+    drafter = getattr(getattr(mr, "drafter", getattr(mr, "speculator", None)), "model", None)
     if drafter is not None:
         params += [(f"drafter.{n}", p) for n, p in drafter.named_parameters()]
     fingerprint = hashlib.blake2b(digest_size=16)
@@ -69,38 +118,81 @@ def rpc_compilation(self: Any) -> dict[str, Any]:
 
 
 def rpc_install_block_hook(self: Any) -> str:
-    """Record each live request's block table after every _update_states, keyed by
-    prompts.prompt_key: the worker drops a finished request's table."""
+    """Record each live request's block ids per KV cache group after every step's state
+    update, as that step's forward pass reads them, keyed by prompts.prompt_key (the runner
+    drops a finished request's); copy a watched request's GDN checkpoints
+    (``rpc_watch_checkpoints``) then. Returns ``runner_name``."""
     mr = runner(self)
-    if getattr(mr, "_gate_blocks", None) is not None:
-        return type(mr).__name__
-    if not hasattr(mr, "_update_states") or not hasattr(mr, "requests"):
-        raise RuntimeError(
-            f"{type(mr).__module__}.{type(mr).__name__} has no _update_states/requests; "
-            "the gate's block-table hook supports the V1 GPUModelRunner only"
-        )
-    mr._gate_blocks = {}
-    mr._gate_watch = {}  # prompt key -> tokens computed at the request's first step
-    mr._gate_gdn = {}  # prompt key -> {layer: {block: copy of its GDN checkpoint}}
-    orig = mr._update_states
+    if getattr(mr, "_gate_blocks", None) is None:
+        hook = {"V1": _hook_v1, "V2": _hook_v2}[runner_kind(mr)]
+        mr._gate_blocks = {}
+        mr._gate_watch = {}  # prompt key -> tokens computed at the request's first step
+        mr._gate_gdn = {}  # prompt key -> {layer: {block: copy of its GDN checkpoint}}
+        hook(mr)
+    return runner_name(mr)
 
-    def wrapped(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        out = orig(scheduler_output, *args, **kwargs)
-        for st in mr.requests.values():
-            toks = list(st.prompt_token_ids or [])
-            key = f"{len(toks)}:" + ",".join(str(t) for t in toks[:16])
-            blocks = mr._gate_blocks[key] = [list(g) for g in st.block_ids]
-            if key not in mr._gate_watch:
-                continue
-            computed = int(st.num_computed_tokens)
-            if mr._gate_watch[key] is None:
-                mr._gate_watch[key] = computed  # its hit block is kept for the next step
-            else:
-                copy_checkpoints(mr, blocks, min(computed, len(toks)), mr._gate_gdn[key])
+
+def _hook_v1(mr: Any) -> None:
+    """V1: after ``_update_states``, each of ``requests``."""
+    update = mr._update_states
+
+    def update_states(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        out = update(scheduler_output, *args, **kwargs)
+        live = mr.requests.values()
+        _record(mr, ((st.prompt_token_ids, st.block_ids, st.num_computed_tokens) for st in live))
         return out
 
-    mr._update_states = wrapped
-    return type(mr).__name__
+    mr._update_states = update_states
+
+
+def _hook_v2(mr: Any) -> None:
+    """V2: after ``update_requests`` (``execute_model`` runs it after ``finish_requests`` and
+    ``add_requests``, then applies the block tables' staged writes to the GPU, then the
+    forward pass), each request of ``req_states.req_id_to_index``: its prompt from the step's
+    ``scheduled_new_reqs``, its block ids as ``block_tables.append_block_ids`` wrote them into
+    its row (so nothing here waits for the GPU)."""
+    rows: dict[int, list[list[int]]] = {}  # request row -> its block ids per group
+    prompts: dict[str, list[int]] = {}  # live request id -> its prompt tokens
+    tables, update = mr.block_tables, mr.update_requests
+    append = tables.append_block_ids
+
+    def append_block_ids(req_index: int, new_block_ids: Any, overwrite: bool, **kw: Any) -> Any:
+        out = append(req_index, new_block_ids, overwrite, **kw)
+        old = [] if overwrite else rows.get(req_index, [])
+        rows[req_index] = [
+            [*(old[g] if g < len(old) else []), *ids] for g, ids in enumerate(new_block_ids)
+        ]
+        return out
+
+    def update_requests(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        out = update(scheduler_output, *args, **kwargs)
+        for new in scheduler_output.scheduled_new_reqs:
+            prompts[new.req_id] = list(new.prompt_token_ids or [])
+        live = mr.req_states.req_id_to_index
+        for req_id in prompts.keys() - live.keys():
+            del prompts[req_id]
+        computed = mr.req_states.num_computed_tokens_np
+        reqs = [(prompts[r], rows.get(i, []), computed[i]) for r, i in live.items() if r in prompts]
+        _record(mr, reqs)
+        return out
+
+    tables.append_block_ids = append_block_ids
+    mr.update_requests = update_requests
+
+
+def _record(mr: Any, live: Iterable[tuple[Any, Any, Any]]) -> None:
+    """Keep the block table of each live request (prompt tokens, block ids per KV cache group,
+    tokens computed), and copy a watched request's completed GDN checkpoints."""
+    for prompt, block_ids, computed in live:
+        toks = list(prompt or [])
+        key = prompt_key(toks)
+        blocks = mr._gate_blocks[key] = [list(g) for g in block_ids]
+        if key not in mr._gate_watch:
+            continue
+        if mr._gate_watch[key] is None:
+            mr._gate_watch[key] = int(computed)  # its hit block is kept for the next step
+        else:
+            copy_checkpoints(mr, blocks, min(int(computed), len(toks)), mr._gate_gdn[key])
 
 
 def rpc_watch_checkpoints(self: Any, key: str) -> None:
@@ -168,14 +260,29 @@ def rpc_kv_hashes(self: Any, key: str, prompt_tokens: int) -> dict[str, Any]:
     return {"rank": rank_of(self), **res}
 
 
+def request_blocks(mr: Any, req_id: str) -> list[list[int]] | None:
+    """The block ids per KV cache group of the running request ``req_id`` (vLLM's internal
+    id), None where the runner holds no such request. Between steps: V2's are read from its
+    GPU block table, which holds a step's ids from before its forward pass on."""
+    if runner_kind(mr) == "V1":
+        st = mr.requests.get(req_id)
+        return None if st is None else [list(g) for g in st.block_ids]
+    row = mr.req_states.req_id_to_index.get(req_id)
+    if row is None:
+        return None
+    tables = mr.block_tables
+    counts = [int(n) for n in tables.num_blocks.np[:, row]]
+    return [t.gpu[row, :n].tolist() for t, n in zip(tables.block_tables, counts, strict=True)]
+
+
 def rpc_block_hashes(self: Any, req_id: str, prompt_tokens: int, only: list[int]) -> dict:
     """``rpc_kv_hashes`` of the prompt blocks ``only`` of a running request, by vLLM's
     internal id (load.py hashes before the blocks can be freed and reused)."""
     mr = runner(self)
-    st = getattr(mr, "requests", {}).get(req_id)
-    if st is None:
+    blocks = request_blocks(mr, req_id)
+    if blocks is None:
         return {"rank": rank_of(self), "missing": True, "fa": {}, "gdn": {}}
-    res = hash_blocks(mr, [list(g) for g in st.block_ids], prompt_tokens, set(only))
+    res = hash_blocks(mr, blocks, prompt_tokens, set(only))
     res.pop("block_ids", None)
     return {"rank": rank_of(self), **res}
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import sys
 import threading
+from types import SimpleNamespace as NS
 
 import pytest
+from runner_fakes import DRAFTER, RUNNERS, step
 
 from hybridfa_gate import engine_proc, worker
 from hybridfa_gate.judge import compare_kv_hashes
 from hybridfa_gate.prompts import make_prompt, prompt_key
+
+KINDS = pytest.mark.parametrize("kind", sorted(RUNNERS))  # vLLM's V1 and V2 model runners
 
 
 def _fa_views(torch, n_kernel: int, page: int, heads: int, width: int, seed: int = 0):
@@ -22,32 +26,15 @@ def _fa_views(torch, n_kernel: int, page: int, heads: int, width: int, seed: int
     return nhd, hnd
 
 
-def _fake_runner(torch, fa, gdn, n: int, blocks, tokens):
-    from types import SimpleNamespace as NS
-
-    class Runner:
-        def __init__(self) -> None:
-            self.requests = {"r0": NS(prompt_token_ids=tokens, block_ids=blocks)}
-            self.compilation_config = NS(
-                static_forward_context={"fa.0": NS(kv_cache=fa), "gdn.0": NS(kv_cache=gdn)}
-            )
-            self.kv_cache_config = NS(
-                kv_cache_groups=[
-                    NS(kv_cache_spec=NS(block_size=n), layer_names=["gdn.0"]),
-                    NS(kv_cache_spec=NS(block_size=n), layer_names=["fa.0"]),
-                ]
-            )
-            self.model = torch.nn.ModuleDict(
-                {"proj": torch.nn.Linear(4, 4), "input_layernorm": torch.nn.LayerNorm(4)}
-            )
-
-        def _update_states(self, scheduler_output):
-            return "orig"
-
-        def get_model(self):
-            return self.model
-
-    return NS(worker=NS(model_runner=Runner(), rank=0))
+def _fake_worker(kind: str, torch, fa=None, gdn=None, n: int = 80):
+    """A worker whose model runner is shaped like vLLM's ``kind`` ("V1" or "V2"): one GDN
+    layer in KV cache group 0, one FA layer in group 1, blocks of ``n`` tokens."""
+    model = torch.nn.ModuleDict(
+        {"proj": torch.nn.Linear(4, 4), "input_layernorm": torch.nn.LayerNorm(4)}
+    )
+    layers = {"fa.0": fa, "gdn.0": gdn}
+    mr = RUNNERS[kind](layers, [(n, ["gdn.0"]), (n, ["fa.0"])], model=model)
+    return NS(worker=NS(model_runner=mr, rank=0))
 
 
 def _gdn(torch, nb: int):
@@ -58,20 +45,21 @@ def _gdn(torch, nb: int):
     ]
 
 
-def _hash_run(torch, fa, tokens, n=80):
+def _hash_run(kind: str, torch, fa, tokens, n=80):
     blocks = ([0, 3, 1, 2], [5, 3, 1, 2])  # GDN group has a null block, FA group none
-    w = _fake_runner(torch, fa, _gdn(torch, 8), n, blocks, tokens)
-    assert worker.rpc_install_block_hook(w) == "Runner"
-    assert w.worker.model_runner._update_states(None) == "orig"
+    w = _fake_worker(kind, torch, fa, _gdn(torch, 8), n)
+    assert worker.rpc_install_block_hook(w).startswith(f"{kind} runner_fakes.{kind}Runner")
+    w.worker.model_runner.execute_model(step(new=[("r0", tokens, blocks, 0)]))
     return worker.rpc_kv_hashes(w, prompt_key(tokens), len(tokens))
 
 
-def test_kv_hashes_are_layout_independent_and_per_block() -> None:
+@KINDS
+def test_kv_hashes_are_layout_independent_and_per_block(kind: str) -> None:
     torch = pytest.importorskip("torch")
     n, page, r = 80, 16, 5
     tokens = make_prompt(3 * n + 10, seed=4)  # blocks 0..2 full, block 3 partial
     nhd, hnd = _fa_views(torch, 8 * r, page, 2, 8)
-    a, b = _hash_run(torch, nhd, tokens), _hash_run(torch, hnd, tokens)
+    a, b = _hash_run(kind, torch, nhd, tokens), _hash_run(kind, torch, hnd, tokens)
     assert a["layout"] == "NHD" and b["layout"] == "HND" and a["kernel_page"] == page
     assert a["fa"] == b["fa"] and a["gdn"] == b["gdn"]
     assert sorted(a["fa"]["fa.0"], key=int) == ["0", "1", "2", "3"]
@@ -79,82 +67,120 @@ def test_kv_hashes_are_layout_independent_and_per_block() -> None:
     # one byte in the 4th kernel page of logical block id 1 (prompt block 2) changes only it
     hnd2 = hnd.clone()
     hnd2[1 * r + 3, 1, 5, 0] += 1
-    c = _hash_run(torch, hnd2, tokens)
+    c = _hash_run(kind, torch, hnd2, tokens)
     diff = [j for j in a["fa"]["fa.0"] if a["fa"]["fa.0"][j] != c["fa"]["fa.0"][j]]
     assert diff == ["2"]
     # slots past the prompt in the partial last block (block id 2) are not hashed
     hnd3 = hnd.clone()
     hnd3[2 * r + 4, 0, page - 1, 0] += 1
-    assert _hash_run(torch, hnd3, tokens)["fa"] == a["fa"]
+    assert _hash_run(kind, torch, hnd3, tokens)["fa"] == a["fa"]
     # a pristine-like restore that wrote only one kernel page per block is detected
     partial = hnd.clone()
     partial[r + 1 : 2 * r] = 0
-    res = compare_kv_hashes([a], [_hash_run(torch, partial, tokens)], hit_tokens=2 * n)
+    res = compare_kv_hashes([a], [_hash_run(kind, torch, partial, tokens)], hit_tokens=2 * n)
     assert not res["match"] and res["fa_bad"] == 1
 
 
-def _watched(torch, blocks):
+@KINDS
+def test_the_hook_records_each_requests_block_table_as_the_forward_pass_reads_it(
+    kind: str,
+) -> None:
+    """Blocks added over steps, a finished request's row reused by the next (V2 writes it
+    over), a request running beside it: each table as the runner holds it after the step's
+    state update, and a running request's ids as ``rpc_block_hashes`` reads them."""
+    torch = pytest.importorskip("torch")
+    w = _fake_worker(kind, torch)
+    mr = w.worker.model_runner
+    worker.rpc_install_block_hook(w)
+    a, b, c = make_prompt(200, seed=1), make_prompt(90, seed=2), make_prompt(30, seed=3)
+    mr.execute_model(step(new=[("a", a, ([1], [2, 3]), 0)]))
+    mr.execute_model(step(cached=[("a", 80, ([4], [5]))]))
+    assert mr._gate_blocks[prompt_key(a)] == [[1, 4], [2, 3, 5]]
+    mr.execute_model(step(new=[("b", b, ([6], [7]), 0)], cached=[("a", 160, None)]))
+    mr.execute_model(step(new=[("c", c, ([8], [9, 10]), 0)], finished=["a"]))
+    mr.execute_model(step(cached=[("b", 80, ([11], [12])), ("c", 16, None)]))
+    assert mr._gate_blocks == {
+        prompt_key(a): [[1, 4], [2, 3, 5]],
+        prompt_key(b): [[6, 11], [7, 12]],
+        prompt_key(c): [[8], [9, 10]],
+    }
+    assert worker.request_blocks(mr, "c") == [[8], [9, 10]]
+    assert worker.request_blocks(mr, "b") == [[6, 11], [7, 12]]
+    assert worker.request_blocks(mr, "a") is None
+
+
+def test_a_runner_of_neither_shape_is_refused_naming_what_it_lacks() -> None:
+    mr = NS(requests={}, req_states=NS(), update_requests=None)
+    with pytest.raises(RuntimeError, match="lacks V1's _update_states and V2's block_tables"):
+        worker.rpc_install_block_hook(NS(model_runner=mr, rank=0))
+
+
+def _watched(kind: str, torch, blocks):
     """A watched request of three full blocks of 80 tokens and a partial one: (fake worker,
     its GDN state tensors, prompt tokens, prompt key)."""
     tokens = make_prompt(3 * 80 + 10, seed=4)
     gdn = _gdn(torch, 8)
-    w = _fake_runner(torch, _fa_views(torch, 40, 16, 2, 8)[1], gdn, 80, blocks, tokens)
+    w = _fake_worker(kind, torch, _fa_views(torch, 40, 16, 2, 8)[1], gdn, 80)
     worker.rpc_install_block_hook(w)
     key = prompt_key(tokens)
     worker.rpc_watch_checkpoints(w, key)
     return w, gdn, tokens, key
 
 
-def _watched_run(torch, first_step_tokens: int):
+def _watched_run(kind: str, torch, first_step_tokens: int):
     """A request whose first step computed ``first_step_tokens`` (its hit), watched over two
     steps; then vLLM reuses GDN block id 3 (position 1, the checkpoint of a two-block hit)
     for another state."""
     blocks = ([0, 3, 1, 2], [5, 3, 1, 2])
-    w, gdn, tokens, key = _watched(torch, blocks)
+    w, gdn, tokens, key = _watched(kind, torch, blocks)
     mr = w.worker.model_runner
-    mr.requests["r0"].num_computed_tokens = first_step_tokens
-    mr._update_states(None)
-    mr._update_states(None)
+    mr.execute_model(step(new=[("r0", tokens, blocks, first_step_tokens)]))
+    mr.execute_model(step(cached=[("r0", first_step_tokens, None)]))
     before = worker.hash_blocks(mr, [list(b) for b in blocks], len(tokens))["gdn"]["gdn.0"]
     gdn[1][3] += 1
     return w, key, len(tokens), before
 
 
-def test_the_hit_checkpoint_is_hashed_while_the_request_holds_it() -> None:
+@KINDS
+def test_the_hit_checkpoint_is_hashed_while_the_request_holds_it(kind: str) -> None:
     torch = pytest.importorskip("torch")
-    w, key, p, before = _watched_run(torch, 2 * 80)
+    w, key, p, before = _watched_run(kind, torch, 2 * 80)
     got = worker.rpc_kv_hashes(w, key, p)["gdn"]["gdn.0"]
     assert got == before
     # reported once: the next request of the prompt is hashed as its block table stands
     assert worker.rpc_kv_hashes(w, key, p)["gdn"]["gdn.0"]["1"] != before["1"]
 
 
-def test_a_request_that_hit_nothing_is_hashed_after_it_ended() -> None:
+@KINDS
+def test_a_request_that_hit_nothing_is_hashed_after_it_ended(kind: str) -> None:
     torch = pytest.importorskip("torch")
-    w, key, p, before = _watched_run(torch, 0)
+    w, key, p, before = _watched_run(kind, torch, 0)
     got = worker.rpc_kv_hashes(w, key, p)["gdn"]["gdn.0"]
     assert got["1"] != before["1"] and got["2"] == before["2"]
 
 
-def test_each_checkpoint_is_kept_as_it_stood_on_the_step_after_it_was_complete() -> None:
+@KINDS
+def test_each_checkpoint_is_kept_as_it_stood_on_the_step_after_it_was_complete(
+    kind: str,
+) -> None:
     """A storing request (no hit): vLLM 0.29 hands a finished checkpoint's block out again
     while the request runs, so the block table read after the request names other states."""
     torch = pytest.importorskip("torch")
     n = 80
     blocks = ([4, 3, 1, 2], [5, 3, 1, 2])
-    w, gdn, tokens, key = _watched(torch, blocks)
+    w, gdn, tokens, key = _watched(kind, torch, blocks)
     mr = w.worker.model_runner
 
-    def step(computed: int) -> dict[str, str]:
-        mr.requests["r0"].num_computed_tokens = computed
-        mr._update_states(None)
+    def run_step(computed: int) -> dict[str, str]:
+        new = [("r0", tokens, blocks, computed)] if computed == 0 else []
+        mr.execute_model(step(new=new, cached=[("r0", computed, None)] if computed else []))
         return worker.hash_blocks(mr, [list(b) for b in blocks], len(tokens))["gdn"]["gdn.0"]
 
-    step(0)
-    at_n = step(n)
+    run_step(0)
+    at_n = run_step(n)
     gdn[0][4] += 1  # block 0's slot, reused
-    step(2 * n)
-    at_3n = step(3 * n)
+    run_step(2 * n)
+    at_3n = run_step(3 * n)
     gdn[1][3] += 1
     gdn[0][1] += 1
     got = worker.rpc_kv_hashes(w, key, len(tokens))["gdn"]["gdn.0"]
@@ -162,11 +188,12 @@ def test_each_checkpoint_is_kept_as_it_stood_on_the_step_after_it_was_complete()
     assert at_n["0"] != at_3n["0"]
 
 
-def test_init_weights_is_deterministic() -> None:
+@KINDS
+def test_init_weights_is_deterministic(kind: str) -> None:
     torch = pytest.importorskip("torch")
     fps = []
     for _ in range(2):
-        w = _fake_runner(torch, None, None, 80, ([],), [])
+        w = _fake_worker(kind, torch)
         out = worker.rpc_init_weights(w, 1234, 0.02)
         model = w.worker.model_runner.model
         fps.append(out["fingerprint"])
@@ -200,7 +227,6 @@ def test_restore_timeline_without_an_answer() -> None:
 
 def test_block_table_resyncs_are_counted_when_a_slot_is_rewritten() -> None:
     from types import ModuleType
-    from types import SimpleNamespace as NS
 
     class Tracker:
         def __init__(self) -> None:
@@ -229,20 +255,20 @@ def test_block_table_resyncs_are_counted_when_a_slot_is_rewritten() -> None:
         del sys.modules[module.__name__]
 
 
-def test_init_weights_covers_the_drafter_but_not_what_it_shares() -> None:
+@KINDS
+def test_init_weights_covers_the_drafter_but_not_what_it_shares(kind: str) -> None:
     torch = pytest.importorskip("torch")
-    from types import SimpleNamespace as NS
-
-    w = _fake_runner(torch, None, None, 80, ([],), [])
+    w = _fake_worker(kind, torch)
     runner = w.worker.model_runner
     shared = runner.model["proj"]
-    runner.drafter = NS(model=torch.nn.ModuleDict({"fc": torch.nn.Linear(4, 4), "head": shared}))
+    drafter = NS(model=torch.nn.ModuleDict({"fc": torch.nn.Linear(4, 4), "head": shared}))
+    setattr(runner, DRAFTER[kind], drafter)
     worker.rpc_init_weights(w, 1234, 0.02)
     target_proj = shared.weight.detach().clone()
-    fresh = _fake_runner(torch, None, None, 80, ([],), [])
+    fresh = _fake_worker(kind, torch)
     worker.rpc_init_weights(fresh, 1234, 0.02)
     assert torch.equal(target_proj, fresh.worker.model_runner.model["proj"].weight)
-    fc = runner.drafter.model["fc"].weight
+    fc = drafter.model["fc"].weight
     assert float(fc.detach().abs().max()) < 0.2 and float(fc.detach().std()) > 0.005
 
 
@@ -314,8 +340,6 @@ def test_a_restore_engine_watches_its_measured_request_and_times_others_unwatche
 ) -> None:
     """(d)'s pairs run after the measured request's checks: no checkpoint watch and no timed
     lookups on them."""
-    from types import SimpleNamespace as NS
-
     connector = _Connector()
     core = NS(scheduler=NS(connector=connector))
     watching: set[str] = set()
@@ -364,8 +388,6 @@ def test_a_restore_engine_watches_its_measured_request_and_times_others_unwatche
 
 def test_the_compilation_vllm_resolved_is_read_back_from_engine_and_workers() -> None:
     pytest.importorskip("vllm")
-    from types import SimpleNamespace as NS
-
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     asked = NS(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)

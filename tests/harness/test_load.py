@@ -556,6 +556,7 @@ def _runner(torch, n=80, r=5, page=16, blocks=([0, 3, 1, 2], [5, 3, 1, 2])):
                 NS(kv_cache_spec=NS(block_size=n), layer_names=["fa.0"]),
             ]
         ),
+        _update_states=None,
         _gate_blocks={prompts.prompt_key(tokens): [list(b) for b in blocks]},
     )
     return NS(worker=NS(model_runner=mr, rank=0)), tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import pytest
 
 from hybridfa_gate import models
 from hybridfa_gate.models import MODELS, Geometry, expected_geometry
+
+pytestmark = pytest.mark.bases("0.5.3", "0.5.6")  # the gate's models, on either base's vLLMs
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -43,8 +46,17 @@ def test_an_fp8_kv_cache_halves_the_fa_bytes_and_about_doubles_n() -> None:
 
 class _FlashInferLike:
     @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int]:
-        return list(models.FLASHINFER_KERNEL_SIZES)
+    def get_supported_kernel_block_sizes(kv_cache_spec: object = None) -> list[int]:
+        return list(models.FLASHINFER_KERNEL_SIZES)  # vLLM 0.33+ passes the spec
+
+
+def _config_class(module: str, name: str) -> type:
+    """vLLM's config class of a model type; vLLM 0.33+ dropped its own where the
+    transformers it pins has one, and loads that."""
+    try:
+        return getattr(importlib.import_module(f"vllm.transformers_utils.configs.{module}"), name)
+    except ModuleNotFoundError:
+        return getattr(importlib.import_module(f"transformers.models.{module}"), name)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -90,15 +102,11 @@ def test_model_config_loads_in_vllm_config_classes(name: str) -> None:
     m = MODELS[name]
     cfg = models.model_config_dict(m)
     if m.family == "olmo_hybrid":
-        from vllm.transformers_utils.configs.olmo_hybrid import OlmoHybridConfig
-
-        c = OlmoHybridConfig(**cfg)
+        c = _config_class("olmo_hybrid", "OlmoHybridConfig")(**cfg)
         text = c
         assert c.hidden_size // c.num_attention_heads == m.head_dim
     else:
-        from vllm.transformers_utils.configs.qwen3_5 import Qwen3_5Config
-
-        c = Qwen3_5Config(**cfg)
+        c = _config_class("qwen3_5", "Qwen3_5Config")(**cfg)
         text = c.text_config
         assert text.head_dim == m.head_dim
         assert text.mamba_ssm_dtype == "float32"
@@ -124,9 +132,9 @@ def test_mtp_lengthens_the_conv_state_in_the_expected_page() -> None:
 def test_mtp_model_config_takes_vllms_mtp_path() -> None:
     pytest.importorskip("transformers")
     from vllm.config.speculative import SpeculativeConfig
-    from vllm.transformers_utils.configs.qwen3_5 import Qwen3_5Config
 
-    cfg = Qwen3_5Config(**models.model_config_dict(MODELS["qwen35-r5"], mtp=True))
+    config = _config_class("qwen3_5", "Qwen3_5Config")
+    cfg = config(**models.model_config_dict(MODELS["qwen35-r5"], mtp=True))
     assert cfg.text_config.mtp_num_hidden_layers == 1
     draft = SpeculativeConfig.hf_config_override(cfg)
     assert draft.architectures == ["Qwen3_5MTP"] and draft.n_predict == 1

@@ -72,7 +72,15 @@ def test_a_report_shows_an_engine_error() -> None:
     }
     md = markdown_report({"arm": "patched", "date": "d", "cases": [rec]})
     assert "| patched | qwen35-r17-HND-c2N-offset | - | qwen35-r17 |" in md and "ERROR" in md
-    assert "store: boom" in md
+    assert "store: boom" in md and "- model runner: -\n" in md
+
+
+def test_a_report_names_the_model_runner_its_engines_ran_on() -> None:
+    rec = run.case_record(Case("qwen35-r17", "HND", 2, False), "patched")
+    v2 = {"model_runner": "V2 vllm.v1.worker.gpu.model_runner.GPUModelRunner"}
+    rec.update(eval={"completed": True}, engines={"cold": v2, "store": v2, "restore": None})
+    md = markdown_report({"arm": "patched", "date": "d", "cases": [rec]})
+    assert "- model runner: V2 vllm.v1.worker.gpu.model_runner.GPUModelRunner\n" in md
 
 
 def test_the_slim_record_keeps_no_hashes_or_snapshots() -> None:
