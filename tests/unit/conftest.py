@@ -10,9 +10,7 @@ from typing import Any
 import pytest
 
 
-def _temp_env_folder(
-    tmp_path_factory: pytest.TempPathFactory, variable: str
-) -> Iterator[Path]:
+def _temp_env_folder(tmp_path_factory: pytest.TempPathFactory, variable: str) -> Iterator[Path]:
     """``$variable`` pointing at a new temp folder while the session lasts (child
     processes inherit it)."""
     folder = tmp_path_factory.mktemp(variable.lower())

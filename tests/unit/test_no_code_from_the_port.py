@@ -211,9 +211,7 @@ def test_the_message_queue_serves_on_after_hostile_messages(tmp_path, monkeypatc
         time.sleep(0.5)  # the registration is handled first
         raw.send_multipart([b"only-two", b"parts"])
         raw.send_multipart([b"uid", b"\xff\xfe", b"payload"])
-        ping = client.submit_request(
-            RequestType.PING, [1], get_response_class(RequestType.PING)
-        )
+        ping = client.submit_request(RequestType.PING, [1], get_response_class(RequestType.PING))
         try:
             answered = ping.result(timeout=5.0)
         except Exception:  # LMCache's timeout: the server stopped answering
