@@ -409,6 +409,27 @@ def test_a_changed_test_failing_as_its_entry_expects_is_reported_as_changed(
     assert [r["id"] for r in summary["changed_by_series"]] == [CHANGED]  # type: ignore[attr-defined]
 
 
+def test_a_changed_test_failing_every_run_needs_no_rate_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = {CHANGED: {"patched": ["failed=assert 1 == 0"], "pristine": ["passed"]}}
+    rc, summary = cpu_run(tmp_path, monkeypatch, script, changed=f"{CHANGED} | fails: 1 == 0 | x\n")
+    assert rc == 0
+    assert [r["id"] for r in summary["changed_by_series"]] == [CHANGED]  # type: ignore[attr-defined]
+    assert summary["rate_rounds"] == []
+    assert not [label for label in summary["seconds"] if label.startswith("rate-")]  # type: ignore[attr-defined]
+
+
+def test_a_changed_test_that_passed_once_is_judged_by_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    patched = ["failed=assert 1 == 0", "passed", "failed=assert 1 == 0"]
+    script = {CHANGED: {"patched": patched, "pristine": ["passed"]}}
+    rc, summary = cpu_run(tmp_path, monkeypatch, script, changed=f"{CHANGED} | fails: 1 == 0 | x\n")
+    assert [r["id"] for r in summary["rate_rounds"]] == [CHANGED]  # type: ignore[attr-defined]
+    assert rc == 0
+
+
 def test_a_changed_test_failing_for_another_reason_is_a_regression(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,7 +19,8 @@ on both builds is a regression when none of its failures on the build under test
 signature (type and first line, run details masked) of one on pristine.
 
 A test listed in changed_by_series.txt pins behaviour a patch deliberately changes: it must be a
-regression by the rules above (fail, or skip, on the build where pristine passes), fail as its
+regression by the rules above (fail, or skip, on the build where pristine passes; failing every
+run here before any rate round is enough), fail as its
 entry expects (a failure message, or an amended copy asserting the series' value that passes),
 and is reported as changed instead.
 
@@ -932,10 +933,16 @@ def cpu_mode(args: argparse.Namespace, targets: list[str], summary: dict[str, ob
         args.python, args.pristine, args.work, "pristine-skipped", skipped, 1, args.wall_timeout
     )
     skip_only = sorted(n for n in skipped if "passed" in skip_hist[n])
-    rate_ids = sorted(suspects + flaky + confirmed_flaky + skip_only)
+    # A test the series changes on purpose that failed every run here and passed on pristine
+    # needs no rate rounds to be told apart from a flake: check_changed then requires its
+    # expected failure (or its amended copy to pass).
+    by_design = [n for n in suspects if match_known(n, changed) is not None]
+    rate_ids = sorted(
+        n for n in suspects + flaky + confirmed_flaky + skip_only if n not in by_design
+    )
     by_rate, rates, rate_runs = judge_by_rate(args, rate_ids, changed)
-    regressions = sorted(by_rate)
-    flaky = sorted(n for n in suspects + flaky + confirmed_flaky if n not in by_rate)
+    regressions = sorted(by_rate + by_design)
+    flaky = sorted(n for n in suspects + flaky + confirmed_flaky if n not in regressions)
     rounds = {str(r["id"]): r for r in rates}
     every_patched = {
         n: [first.outcomes[n], *patched_hist.get(n, []), *round_outcomes(rounds[n], "patched")]
