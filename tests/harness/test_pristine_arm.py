@@ -232,3 +232,24 @@ def test_a_fix_test_of_another_base_is_skipped_as_before(tmp_path: Path) -> None
         """,
     )
     assert_green(proc)
+
+
+
+def test_a_fix_test_comparing_two_large_payloads_fails_in_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where CI is set, pytest diffs two 64 KiB byte strings in full: for many minutes.
+    monkeypatch.setenv("CI", "true")
+    proc = run_pristine(
+        tmp_path,
+        """
+        import random
+
+        import pytest
+
+        @pytest.mark.fix
+        def test_bug():
+            assert random.Random(1).randbytes(64 << 10) == random.Random(2).randbytes(64 << 10)
+        """,
+    )
+    assert_green(proc)
