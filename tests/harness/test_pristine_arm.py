@@ -234,7 +234,6 @@ def test_a_fix_test_of_another_base_is_skipped_as_before(tmp_path: Path) -> None
     assert_green(proc)
 
 
-
 def test_a_fix_test_comparing_two_large_payloads_fails_in_seconds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
