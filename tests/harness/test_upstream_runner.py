@@ -517,6 +517,10 @@ def test_changed_modules_are_those_the_build_adds_or_changes(tmp_path: Path) -> 
 
 
 def test_touched_tests_are_the_files_that_import_a_changed_module(tmp_path: Path) -> None:
+    """CI runs these files of LMCache 0.5.6's suite, not the whole of it as for 0.5.3: the whole
+    suite adds about 30 minutes on CI's two cores, and a test that reaches a changed module only
+    through another module is left out. ``tests/run --upstream-056`` runs the whole suite; its
+    result for the series' current code is committed (docs/results.md)."""
     sources = {
         "test_from_package.py": "from lmcache.v1 import b, other\n",
         "test_from_module.py": "from lmcache.v1.b import (\n    Thing,\n)\n",
