@@ -104,7 +104,12 @@ def extract_sources(sdist: Path, spec: KernelSpec, dest: Path) -> None:
         for member in members:
             if member.isfile() or member.isdir():
                 member.name = member.name[len(root) + 1 :]
-                tar.extract(member, dest, filter="data")
+                if ".." in Path(member.name).parts:
+                    raise KernelBuildError(f"{sdist.name}: {member.name} leaves csrc/")
+                if hasattr(tarfile, "data_filter"):
+                    tar.extract(member, dest, filter="data")
+                else:  # a Python before PEP 706's filters (3.10.12, 3.11.4)
+                    tar.extract(member, dest)  # noqa: S202
 
 
 def build(spec: KernelSpec, sdist: Path, tree: Path, against: str) -> None:

@@ -82,3 +82,37 @@ def test_only_the_sdists_csrc_is_extracted(tmp_path: Path) -> None:
         p.relative_to(tmp_path / "work").as_posix() for p in (tmp_path / "work").rglob("*")
     )
     assert got == ["csrc", "csrc/a.cu", "csrc/sub", "csrc/sub/h.h"]
+
+
+def python_without_tar_filters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tarfile as a Python before PEP 706 has it (3.11.2, e.g.): no ``data_filter``, and an
+    ``extract`` that takes no ``filter``."""
+    monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    extract = tarfile.TarFile.extract
+
+    def old_extract(self: tarfile.TarFile, member: tarfile.TarInfo, path: str | Path = "") -> None:
+        extract(self, member, path, filter="fully_trusted")
+
+    monkeypatch.setattr(tarfile.TarFile, "extract", old_extract)
+
+
+@pytest.mark.parametrize("pep706", [True, False], ids=["filters", "no-filters"])
+def test_an_sdist_member_that_leaves_csrc_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pep706: bool
+) -> None:
+    if not pep706:
+        python_without_tar_filters(monkeypatch)
+    spec = kernels.KernelSpec("lmcache.c_ops", ("csrc/a.cu",), ("f",))
+    sdist = _sdist(tmp_path, ["csrc/a.cu", "csrc/../../escaped.cu"])
+    with pytest.raises(kernels.KernelBuildError, match="leaves csrc/"):
+        kernels.extract_sources(sdist, spec, tmp_path / "work")
+    assert not (tmp_path / "escaped.cu").exists()
+
+
+def test_the_sources_unpack_on_a_python_without_tar_filters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python_without_tar_filters(monkeypatch)
+    spec = kernels.KernelSpec("lmcache.c_ops", ("csrc/a.cu",), ("f",))
+    kernels.extract_sources(_sdist(tmp_path, ["csrc/a.cu"]), spec, tmp_path / "work")
+    assert (tmp_path / "work" / "csrc" / "a.cu").read_bytes() == b"x;\n"
