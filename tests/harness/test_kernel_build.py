@@ -86,8 +86,10 @@ def test_only_the_sdists_csrc_is_extracted(tmp_path: Path) -> None:
 
 def python_without_tar_filters(monkeypatch: pytest.MonkeyPatch) -> None:
     """tarfile as a Python before PEP 706 has it (3.11.2, e.g.): no ``data_filter``, and an
-    ``extract`` that takes no ``filter``."""
-    monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    ``extract`` that takes no ``filter``. On such a Python, tarfile stays as it is."""
+    if not hasattr(tarfile, "data_filter"):
+        return
+    monkeypatch.delattr(tarfile, "data_filter")
     extract = tarfile.TarFile.extract
 
     def old_extract(self: tarfile.TarFile, member: tarfile.TarInfo, path: str | Path = "") -> None:
