@@ -108,7 +108,7 @@ def extract_sources(sdist: Path, spec: KernelSpec, dest: Path) -> None:
                     raise KernelBuildError(f"{sdist.name}: {member.name} leaves csrc/")
                 if hasattr(tarfile, "data_filter"):
                     tar.extract(member, dest, filter="data")
-                else:  # a Python before PEP 706's filters (3.10.12, 3.11.4)
+                else:  # no PEP 706 filters: Python before 3.10.12 / 3.11.4
                     tar.extract(member, dest)  # noqa: S202
 
 
