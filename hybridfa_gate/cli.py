@@ -29,13 +29,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"{' | '.join(SET_NAMES)}, or comma-separated case ids / regexes",
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
-    ap.add_argument(
-        "--engine-timeout",
-        type=float,
-        default=420.0,
-        help="seconds an engine may take, start to exit (raise it on a machine that still "
-        "compiles its kernels for many engines at once)",
-    )
     ap.add_argument("--jobs", type=int, default=1, help="cases run at once, each its own engines")
     ap.add_argument(
         "--expect-refusals",

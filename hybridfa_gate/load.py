@@ -303,6 +303,7 @@ class LoadConfig:
     kv_cache_gib: float = 8.0
     gpu_memory_utilization: float = 0.25
     l1_size_gb: float = 8.0
+    engine_timeout: float = 420.0
     keep_l2: bool = False
     workload: Workload = field(default_factory=Workload)
     work: Path = field(default_factory=lambda: Path("/tmp/hybridfa-load"))
@@ -355,7 +356,7 @@ def run_phase(cfg: LoadConfig, env: dict[str, str], model_dir: Path, phase: int)
         )
         spec = phase_spec(cfg, model_dir, port, phase, wd)
         # the engine's start (a fresh machine's first engine pays the JIT), load, drain and stores
-        timeout = 420.0 + cfg.phase_s + DRAIN_S + 60.0
+        timeout = cfg.engine_timeout + cfg.phase_s + DRAIN_S + 60.0
         eng = run_engine(cfg.python, env, spec, wd, f"load{phase}", timeout)
         meta.update({k: eng.get(k) for k in ("ok", "engine_up_s", "load", "l2_wait", "rc")})
         if not eng.get("ok"):

@@ -36,6 +36,13 @@ def add_run_args(
         "engines run at once)",
     )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    ap.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=420.0,
+        help="seconds an engine may take, start to exit, beside a load phase (raise it on a "
+        "machine that still compiles its kernels for many engines at once)",
+    )
     ap.add_argument("--work", type=Path, default=work)
     ap.add_argument("--keep-l2", action="store_true")
 
@@ -52,5 +59,6 @@ def add_case_args(
 def case_args(a: argparse.Namespace) -> dict[str, Any]:
     """add_case_args' values, as keyword arguments of FaultConfig and LoadConfig."""
     keys = ("arm", "out", "model", "layout", "chunk_blocks", "kv_cache_gib")
-    args = {k: getattr(a, k) for k in (*keys, "gpu_memory_utilization", "keep_l2", "work")}
+    more = ("gpu_memory_utilization", "engine_timeout", "keep_l2", "work")
+    args = {k: getattr(a, k) for k in (*keys, *more)}
     return {**args, "lmcache_dir": (a.lmcache_dir or Path(".")).resolve()}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridfa_gate import engine_proc, fault, procs, prompts
+from hybridfa_gate import engine_proc, fault, load, procs, prompts
 from hybridfa_gate.run import ColdRuns
 
 REPO = Path(__file__).resolve().parents[2]
@@ -294,3 +294,26 @@ def test_fault_report_renders_an_engine_failure() -> None:
     assert not ev["pass"] and len(ev["errors"]) == 4 and not ev["checks"]["killed mid-store"]
     md = fault.markdown_report({"arm": "pristine", "date": "D", "eval": ev, "kill": {}})
     assert "**FAIL**" in md and "cold: no result" in md
+
+
+@pytest.mark.parametrize("module", [fault, load])
+def test_the_fault_and_load_runs_pass_their_engine_timeout_on(
+    module: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, float] = {}
+
+    def start_report(*args: object) -> tuple[Path, dict, str]:
+        return tmp_path / "r", {"arm": "patched", "date": "now"}, "stopped here"
+
+    real = module.FaultConfig if module is fault else module.LoadConfig  # type: ignore[attr-defined]
+
+    def config(**kw: object) -> object:
+        cfg = real(**kw)
+        seen["timeout"] = cfg.engine_timeout
+        return cfg
+
+    monkeypatch.setattr(module, "start_report", start_report)
+    monkeypatch.setattr(module, "FaultConfig" if module is fault else "LoadConfig", config)
+    argv = ["--lmcache-dir", str(tmp_path), "--out", str(tmp_path), "--engine-timeout", "900"]
+    assert module.main(argv) == 2  # type: ignore[attr-defined]
+    assert seen["timeout"] == 900.0
