@@ -25,6 +25,13 @@ import torch
 from setuptools import setup
 from torch.utils import cpp_extension
 
+# torch takes the toolkit from CUDA_HOME, else from the nvcc on PATH; a wrapper script there
+# (/usr/local/bin/nvcc) makes it /usr/local, which holds no CUDA headers.
+home = cpp_extension.CUDA_HOME
+if not home or not os.path.isfile(os.path.join(home, "include", "cuda_runtime.h")):
+    sys.exit(f"error: torch found no CUDA toolkit headers (CUDA_HOME {home}, taken from the "
+             "environment or the nvcc on PATH): set CUDA_HOME to the toolkit's folder, the one "
+             "holding include/cuda_runtime.h")
 abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
 # pip's CUDA wheels (nvidia-cublas and friends) hold headers that torch's own include
 # (cublas_v2.h, cusparse.h). Searched after the compiler's own, so that the toolkit's

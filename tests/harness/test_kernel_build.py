@@ -120,3 +120,24 @@ def test_the_sources_unpack_on_a_python_without_tar_filters(
     spec = kernels.KernelSpec("lmcache.c_ops", ("csrc/a.cu",), ("f",))
     kernels.extract_sources(_sdist(tmp_path, ["csrc/a.cu"]), spec, tmp_path / "work")
     assert (tmp_path / "work" / "csrc" / "a.cu").read_bytes() == b"x;\n"
+
+
+def test_a_toolkit_without_headers_is_named_and_the_wheel_tree_is_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch takes CUDA_HOME from the nvcc on PATH; where that nvcc is a wrapper script outside
+    the toolkit, the headers are not there and the build must say what to set."""
+    fake = tmp_path / "fake-torch" / "torch"
+    (fake / "utils").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "utils" / "__init__.py").write_text("")
+    (fake / "utils" / "cpp_extension.py").write_text(f"CUDA_HOME = {str(tmp_path / 'usr')!r}\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
+    tree = tmp_path / "tree"
+    (tree / "lmcache").mkdir(parents=True)
+    pristine = tree / "lmcache" / "c_ops.cpython-312-x86_64-linux-gnu.so"
+    pristine.write_bytes(b"pristine")
+    spec = kernels.KernelSpec("lmcache.c_ops", ("csrc/a.cu",), ("f",))
+    with pytest.raises(kernels.KernelBuildError, match="set CUDA_HOME to the toolkit's folder"):
+        kernels.build(spec, _sdist(tmp_path, ["csrc/a.cu"]), tree, "torch 2.14.0 (CUDA 13.0)")
+    assert pristine.read_bytes() == b"pristine"
