@@ -58,7 +58,7 @@ def add_case_args(
 
 def case_args(a: argparse.Namespace) -> dict[str, Any]:
     """add_case_args' values, as keyword arguments of FaultConfig and LoadConfig."""
-    keys = ("arm", "out", "model", "layout", "chunk_blocks", "kv_cache_gib")
+    keys: tuple[str, ...] = ("arm", "out", "model", "layout", "chunk_blocks", "kv_cache_gib")
     keys += ("gpu_memory_utilization", "engine_timeout", "keep_l2", "work")
     args = {k: getattr(a, k) for k in keys}
     return {**args, "lmcache_dir": (a.lmcache_dir or Path(".")).resolve()}
