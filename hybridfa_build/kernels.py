@@ -25,8 +25,8 @@ import torch
 from setuptools import setup
 from torch.utils import cpp_extension
 
-# torch takes the toolkit from CUDA_HOME, else from the nvcc on PATH; a wrapper script there
-# (/usr/local/bin/nvcc) makes it /usr/local, which holds no CUDA headers.
+# torch takes the toolkit from CUDA_HOME, else from the nvcc on PATH; where that nvcc is a
+# wrapper script outside the toolkit, the folder torch derives holds no CUDA headers.
 home = cpp_extension.CUDA_HOME
 if not home or not os.path.isfile(os.path.join(home, "include", "cuda_runtime.h")):
     sys.exit(f"error: torch found no CUDA toolkit headers (CUDA_HOME {home}, taken from the "

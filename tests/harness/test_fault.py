@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,6 +41,7 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 from hybridfa_gate import engine_proc, fault, load
 from pathlib import Path
+from typing import Any
 assert fault.main(["--plan"]) == 0
 cfg = load.LoadConfig(arm="patched", lmcache_dir=Path("."), out=Path("."))
 print("pool", len(load.phase_spec(cfg, Path("model"), 1, 0, Path("work"))["pool"]))
@@ -296,24 +298,23 @@ def test_fault_report_renders_an_engine_failure() -> None:
     assert "**FAIL**" in md and "cold: no result" in md
 
 
-@pytest.mark.parametrize("module", [fault, load])
+@pytest.mark.parametrize(("module", "config_name"), [(fault, "FaultConfig"), (load, "LoadConfig")])
 def test_the_fault_and_load_runs_pass_their_engine_timeout_on(
-    module: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    module: Any, config_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: dict[str, float] = {}
-
-    def start_report(*args: object) -> tuple[Path, dict, str]:
-        return tmp_path / "r", {"arm": "patched", "date": "now"}, "stopped here"
-
-    real = module.FaultConfig if module is fault else module.LoadConfig  # type: ignore[attr-defined]
+    real = getattr(module, config_name)
 
     def config(**kw: object) -> object:
         cfg = real(**kw)
         seen["timeout"] = cfg.engine_timeout
         return cfg
 
+    def start_report(*args: object) -> tuple[Path, dict, str]:
+        return tmp_path / "r", {"arm": "patched", "date": "now"}, "stopped here"
+
     monkeypatch.setattr(module, "start_report", start_report)
-    monkeypatch.setattr(module, "FaultConfig" if module is fault else "LoadConfig", config)
+    monkeypatch.setattr(module, config_name, config)
     argv = ["--lmcache-dir", str(tmp_path), "--out", str(tmp_path), "--engine-timeout", "900"]
-    assert module.main(argv) == 2  # type: ignore[attr-defined]
+    assert module.main(argv) == 2
     assert seen["timeout"] == 900.0
