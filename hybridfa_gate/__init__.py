@@ -25,5 +25,7 @@ Entry points, from the checkout root (this process imports the standard library 
 blake3 for a forged case; vLLM and torch only the engines): ``python -m pytest tests/gpu`` (the
 installed lmcache), ``python -m hybridfa_gate`` (many cases, one arm), ``python -m
 hybridfa_gate.control`` (the control arm's lmcache tree), ``python -m hybridfa_gate.fault`` and
-``python -m hybridfa_gate.load`` (the fault and load runs). docs/gpu-node.md has the recipes.
+``python -m hybridfa_gate.load`` (the fault and load runs), ``python -m hybridfa_gate.bundle``
+(the wheels of a pinned set for a machine without a package index, and ``install-bundle.sh``,
+which installs them there). docs/gpu-node.md has the recipes.
 """
