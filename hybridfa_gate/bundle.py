@@ -27,6 +27,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hybridfa_build import factory, marker
+
 REQUIREMENTS = Path(__file__).resolve().parent / "requirements"
 INSTALL_SH = Path(__file__).resolve().parent / "install-bundle.sh"
 TAG = "cp312"
@@ -87,8 +89,6 @@ def base_of(vllm: str) -> str:
 
 def kernels_needed(base: str, torch: str) -> bool:
     """Whether the pristine base wheel's compiled kernels fail to load under ``torch``."""
-    from hybridfa_build import marker
-
     return not torch.startswith(marker.BASES[base].torch + ".")
 
 
@@ -156,8 +156,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--leave-out", nargs="+", default=[], metavar="NAME")
     ap.add_argument("--part-mb", type=float, default=0.0)
     a = ap.parse_args(argv)
-    from hybridfa_build import factory
-
     try:
         torch = pins(a.vllm)["torch"]
         base = base_of(a.vllm)
