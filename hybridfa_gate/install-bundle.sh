@@ -33,6 +33,7 @@ case "${1:-}" in
     # CUDA 13 wheels share folders (nvidia/cu13/lib): link file by file what the bundle lacks.
     if [ -d "$own/nvidia" ]; then
       (cd "$own/nvidia" && find . \( -type f -o -type l \) ! -path '*/__pycache__/*') | while read -r f; do
+        f=${f#./}
         [ -e "$SITE/nvidia/$f" ] && continue
         mkdir -p "$(dirname "$SITE/nvidia/$f")" && ln -s "$own/nvidia/$f" "$SITE/nvidia/$f"
       done
