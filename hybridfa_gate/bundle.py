@@ -102,6 +102,10 @@ def download(vllm: str, out: Path, leave_out: Sequence[str]) -> list[str]:
     chosen = [f"{n}=={v}" for n, v in sorted(wanted.items()) if n not in left]
     req = out / f"vllm-{vllm}.txt"
     req.write_text("".join(f"{p}\n" for p in chosen))
+    for whl in (out / "wheels").glob("*.whl"):  # an earlier bundle's, outside this set
+        name, version = whl.name.split("-")[:2]
+        if f"{normalized(name)}=={version}" not in chosen:
+            whl.unlink()
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM]
     rc = subprocess.call([*cmd, "-d", str(out / "wheels"), "-r", str(req)])
     if rc != 0:
@@ -162,17 +166,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.out.mkdir(parents=True, exist_ok=True)
         chosen = download(a.vllm, a.out, a.leave_out)
         pristine = factory.fetch_base_wheel(factory.get_base(base).pins(), TAG)
+        shutil.rmtree(a.out / "pristine", ignore_errors=True)
+        (a.out / "pristine").mkdir()
+        shutil.copy(pristine, a.out / "pristine" / pristine.name)
+        shutil.copy(INSTALL_SH, a.out / "install.sh")
+        parts = split_parts(a.out, int(a.part_mb * 1e6)) if a.part_mb > 0 else []
     except (BundleError, factory.BuildError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    (a.out / "pristine").mkdir(exist_ok=True)
-    shutil.copy(pristine, a.out / "pristine" / pristine.name)
-    shutil.copy(INSTALL_SH, a.out / "install.sh")
     print(
         f"{len(chosen)} wheels in {a.out / 'wheels'}; pristine lmcache {base} in {a.out}/pristine"
     )
-    if a.part_mb > 0:
-        parts = split_parts(a.out, int(a.part_mb * 1e6))
+    if parts:
         print(f"{len(parts)} parts in {a.out / 'parts'}: stage each in turn, then finish")
     kernels = " --kernels" if kernels_needed(base, torch) else ""
     print(

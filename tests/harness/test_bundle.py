@@ -64,7 +64,13 @@ def test_the_download_leaves_out_what_the_machine_has(
         return 0
 
     monkeypatch.setattr(bundle.subprocess, "call", call)
+    stale = tmp_path / "wheels" / f"torch-{bundle.pins(vllm)['torch']}-cp312-cp312-linux.whl"
+    kept = tmp_path / "wheels" / f"vllm-{vllm}-cp38-abi3-manylinux_2_28_x86_64.whl"
+    for whl in (stale, kept):  # an earlier bundle of the full set
+        whl.parent.mkdir(exist_ok=True)
+        whl.write_bytes(b"PK")
     chosen = bundle.download(vllm, tmp_path, ["Torch", "nvidia_nccl_cu13"])
+    assert not stale.exists() and kept.exists()
     (cmd,) = seen
     assert "--no-deps" in cmd and "--only-binary=:all:" in cmd
     listed = Path(cmd[cmd.index("-r") + 1]).read_text().split()
