@@ -45,6 +45,7 @@ from hybridfa_gate.l2 import folder_inventory
 from hybridfa_gate.models import write_model_dir
 from hybridfa_gate.options import add_case_args, case_args
 from hybridfa_gate.procs import (
+    ENGINE_TIMEOUT_S,
     ServerError,
     child_env,
     free_port,
@@ -282,7 +283,7 @@ class FaultConfig:
     poll_s: float = 0.05
     kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.25
-    engine_timeout: float = 420.0
+    engine_timeout: float = ENGINE_TIMEOUT_S
     keep_l2: bool = False
     work: Path = field(default_factory=lambda: Path("/tmp/hybridfa-gate"))
     python: str = sys.executable

@@ -34,6 +34,7 @@ from hybridfa_gate.l2 import folder_inventory
 from hybridfa_gate.models import write_model_dir
 from hybridfa_gate.options import add_case_args, case_args
 from hybridfa_gate.procs import (
+    ENGINE_TIMEOUT_S,
     ServerError,
     child_env,
     free_port,
@@ -303,7 +304,7 @@ class LoadConfig:
     kv_cache_gib: float = 8.0
     gpu_memory_utilization: float = 0.25
     l1_size_gb: float = 8.0
-    engine_timeout: float = 420.0
+    engine_timeout: float = ENGINE_TIMEOUT_S
     keep_l2: bool = False
     workload: Workload = field(default_factory=Workload)
     work: Path = field(default_factory=lambda: Path("/tmp/hybridfa-load"))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridfa_gate.models import MODELS
+from hybridfa_gate.procs import ENGINE_TIMEOUT_S
 
 ARM_HELP = (
     "patched (this series' wheel), pristine (the base's lmcache release: 0.5.3, or 0.5.6 for "
@@ -39,7 +40,7 @@ def add_run_args(
     ap.add_argument(
         "--engine-timeout",
         type=float,
-        default=420.0,
+        default=ENGINE_TIMEOUT_S,
         help="seconds an engine may take, start to exit, beside a load phase (raise it on a "
         "machine that still compiles its kernels for many engines at once)",
     )

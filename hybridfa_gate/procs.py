@@ -30,6 +30,8 @@ from hybridfa_gate.l2 import STORE_FAILED
 # The folder holding the hybridfa_gate package: on every child's PYTHONPATH, after the rest.
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_MODULE = "hybridfa_gate.engine_proc"
+# Seconds an engine may take, start to exit, unless a run says otherwise (--engine-timeout).
+ENGINE_TIMEOUT_S = 420.0
 SERVER_BOOT = (
     "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"
 )

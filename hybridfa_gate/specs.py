@@ -16,6 +16,7 @@ from typing import Any
 
 from hybridfa_gate.cases import DEFAULT_BASE, Case
 from hybridfa_gate.models import ModelSpec
+from hybridfa_gate.procs import ENGINE_TIMEOUT_S
 from hybridfa_gate.prompts import NEW_TOKENS, TURN2_QUESTION, make_prompt, prompt_key
 
 CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"
@@ -42,7 +43,7 @@ class RunConfig:
     gpu_memory_utilization: float = 0.25
     kv_cache_memory_bytes: int | None = None  # --kv-cache-gib
     jobs: int = 1
-    engine_timeout: float = 420.0
+    engine_timeout: float = ENGINE_TIMEOUT_S
     keep_l2: bool = False
     work: Path = field(default_factory=lambda: Path("/tmp/hybridfa-gate"))
     base: str = DEFAULT_BASE  # the lmcache release under test (set from the engines' view)

@@ -23,6 +23,7 @@ import pytest
 
 from hybridfa_gate.cases import select_cases
 from hybridfa_gate.judge import gate_problems
+from hybridfa_gate.procs import ENGINE_TIMEOUT_S
 from hybridfa_gate.report import markdown_report
 from hybridfa_gate.run import run_matrix
 from hybridfa_gate.specs import RunConfig
@@ -46,7 +47,7 @@ def report() -> dict:
         out=Path(os.environ.get("HYBRIDFA_GATE_OUT", "results")),
         jobs=int(os.environ.get("HYBRIDFA_GATE_JOBS", "1")),
         kv_cache_memory_bytes=int(kv_gib * 2**30) or None,
-        engine_timeout=float(os.environ.get("HYBRIDFA_GATE_ENGINE_TIMEOUT", "420")),
+        engine_timeout=float(os.environ.get("HYBRIDFA_GATE_ENGINE_TIMEOUT") or ENGINE_TIMEOUT_S),
         expect_refusals=os.environ.get("HYBRIDFA_GATE_EXPECT_REFUSALS") == "1",
     )
     tp = int(os.environ.get("HYBRIDFA_GATE_TP", "1"))
