@@ -240,7 +240,8 @@ def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
 
     kw: dict[str, Any] = {
         "model": spec["model_dir"],
-        "skip_tokenizer_init": True,
+        # the tiny models ship a tokenizer only where vLLM needs one (models.write_model_dir)
+        "skip_tokenizer_init": not (Path(spec["model_dir"]) / "tokenizer.json").exists(),
         "load_format": "dummy",
         "dtype": "bfloat16",
         # Eager unless the spec says otherwise (``"enforce_eager": false``: CUDA graphs and

@@ -10,6 +10,10 @@ judge compares. The models' names say r: olmo-r5 is N = 80 over 16-slot pages, *
 N = 1600 over 64-slot pages.
 
 No weights: engines load ``load_format="dummy"`` and re-initialise every parameter from a seed.
+No tokenizer either, except for the multimodal Qwen3.5 family: on vLLM 0.31 an engine with a KV
+connector builds that model's processor even in language-model-only mode (0.29's cached answer
+ignores that, 0.33 and later keep such an engine text-only), and the processor needs the
+tokenizer and the image processor's settings.
 """
 
 from __future__ import annotations
@@ -203,9 +207,48 @@ def model_config_dict(m: ModelSpec, mtp: bool = False) -> dict[str, Any]:
     }
 
 
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+"""The Qwen3.5 processor's tokens, at the ids of ``model_config_dict``'s *_token_id."""
+
+
+def processor_files(m: ModelSpec) -> dict[str, dict[str, Any]]:
+    """What vLLM's Qwen3.5 processor loads from the model folder: tokenizer.json and
+    tokenizer_config.json of a one-word-per-id tokenizer of the model's vocabulary ("t0" ...
+    and the vision tokens last; pad is id 0 and EOS id 1, as in config.json; the engines pass
+    token ids and never detokenize), and preprocessor_config.json, the image processor of
+    the vision config's patches."""
+    first_vision = m.vocab_size - len(VISION_TOKENS)
+    vocab = {f"t{i}": i for i in range(first_vision)}
+    added = []
+    for i, token in enumerate(VISION_TOKENS, first_vision):
+        vocab[token] = i
+        added.append({"id": i, "content": token, "single_word": False, "lstrip": False})
+        added[-1].update(rstrip=False, normalized=False, special=True)
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added}
+    tokenizer.update(normalizer=None, pre_tokenizer={"type": "WhitespaceSplit"})
+    tokenizer.update(post_processor=None, decoder=None)
+    tokenizer["model"] = {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}
+    config = {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 131072}
+    config.update(unk_token="t0", pad_token="t0", eos_token="t1")
+    vision = model_config_dict(m)["vision_config"]
+    image = {"image_processor_type": "Qwen2VLImageProcessorFast"}
+    image.update({k: vision[k] for k in ("patch_size", "temporal_patch_size")})
+    image["merge_size"] = vision["spatial_merge_size"]
+    return {
+        "tokenizer.json": tokenizer,
+        "tokenizer_config.json": config,
+        "preprocessor_config.json": image,
+    }
+
+
 def write_model_dir(m: ModelSpec, root: Path, mtp: bool = False) -> Path:
+    """config.json, and for the Qwen3.5 family what its processor loads (engines load a
+    tokenizer where the model folder has one: ``engine_proc.llm_kwargs``)."""
     d = Path(root) / (f"{m.name}-mtp" if mtp else m.name)
     d.mkdir(parents=True, exist_ok=True)
+    if m.family == "qwen3_5":
+        for name, content in processor_files(m).items():
+            atomic_write(d / name, json.dumps(content) + "\n")
     atomic_write(d / "config.json", json.dumps(model_config_dict(m, mtp), indent=1) + "\n")
     return d
 

@@ -121,6 +121,42 @@ def test_write_model_dir(tmp_path: Path) -> None:
     d = models.write_model_dir(MODELS["olmo-r5"], tmp_path)
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["architectures"] == ["OlmoHybridForCausalLM"]
+    assert sorted(p.name for p in d.iterdir()) == ["config.json"]  # no tokenizer to load
+
+
+def test_the_qwen35_tokenizer_holds_the_vision_tokens_at_the_configs_ids(tmp_path: Path) -> None:
+    d = models.write_model_dir(MODELS["qwen35-r5"], tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    vocab = json.loads((d / "tokenizer.json").read_text())["model"]["vocab"]
+    assert len(vocab) == cfg["text_config"]["vocab_size"] == len(set(vocab.values()))
+    keys = ("image", "video", "vision_start", "vision_end")
+    for token, key in zip(models.VISION_TOKENS, keys, strict=True):
+        assert vocab[token] == cfg[f"{key}_token_id"]
+
+
+def test_a_qwen35_store_engine_builds_its_input_processor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On vLLM 0.31 an engine with a KV connector builds a multimodal model's processor even
+    in language-model-only mode (it accepts pre-computed embeddings), and the processor loads
+    the tokenizer and the image processor's settings: the gate's store engine, as the gate
+    writes its spec and model folder, on vLLM's CPU platform. (Without torchvision vLLM
+    cannot inspect Qwen3.5 and builds no processor; the tokenizer is loaded all the same.)"""
+    pytest.importorskip("lmcache")
+    processor = pytest.importorskip("vllm.v1.engine.input_processor")
+    from vllm_cpu_engine import create_engine_config
+
+    from hybridfa_gate import engine_proc
+    from hybridfa_gate.cases import select_cases
+    from hybridfa_gate.specs import RunConfig, store_spec
+
+    case = select_cases("qwen35-r5-HND-c2N-exact")[0]
+    model_dir = models.write_model_dir(case.spec, tmp_path / "models")
+    rc = RunConfig(arm="patched", lmcache_dir=tmp_path, out=tmp_path)
+    spec = store_spec(case, model_dir, rc, port=1, l2=tmp_path / "l2")
+    config = create_engine_config(engine_proc.llm_kwargs(spec), monkeypatch)
+    assert config.model_config.multimodal_config.language_model_only
+    assert processor.InputProcessor(config).renderer.tokenizer is not None
 
 
 def test_mtp_lengthens_the_conv_state_in_the_expected_page() -> None:

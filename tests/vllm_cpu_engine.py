@@ -1,5 +1,5 @@
-"""vLLM's own engine config of a tiny hybrid model (a config without weights) with
-LMCache's multiprocess connector, built on vLLM's CPU platform (vLLM 0.29 and later)."""
+"""vLLM's own engine config of a tiny hybrid model (a config without weights), built on
+vLLM's CPU platform (vLLM 0.29 and later; the connector's modules must import)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ KV_TRANSFER = {
 }
 
 
-def engine_config(model_dir: Path, block_size: int, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """``EngineArgs(...).create_engine_config()`` of the model in ``model_dir``; a skip
-    where this vLLM cannot inspect the model without packages this machine lacks (0.33
-    and later import the model's module to inspect it)."""
+def create_engine_config(engine_args: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``EngineArgs(**engine_args).create_engine_config()``; a skip where this vLLM cannot
+    inspect the model without packages this machine lacks (0.33 and later import the model's
+    module to inspect it)."""
     import vllm.platforms
     from pydantic import ValidationError
     from vllm.engine.arg_utils import EngineArgs
@@ -33,17 +33,22 @@ def engine_config(model_dir: Path, block_size: int, monkeypatch: pytest.MonkeyPa
             monkeypatch.setattr(module, "current_platform", cpu)
     # vLLM 0.34's CPU platform asks for triton-cpu, which no kernel here runs.
     monkeypatch.setattr("vllm.triton_utils.HAS_TRITON", True, raising=False)
-    args = EngineArgs(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        max_model_len=4096,
-        block_size=block_size,
-        enable_prefix_caching=True,
-        kv_transfer_config=KV_TRANSFER,
-    )
     try:
-        return args.create_engine_config()
+        return EngineArgs(**engine_args).create_engine_config()
     except ValidationError as e:
         if "failed to be inspected" not in str(e):
             raise
         pytest.skip(f"this vLLM cannot inspect the model on this machine: {e.errors()[0]['msg']}")
+
+
+def engine_config(model_dir: Path, block_size: int, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The engine config of the model in ``model_dir`` with LMCache's multiprocess connector."""
+    args = {
+        "model": str(model_dir),
+        "skip_tokenizer_init": True,
+        "max_model_len": 4096,
+        "block_size": block_size,
+        "enable_prefix_caching": True,
+        "kv_transfer_config": KV_TRANSFER,
+    }
+    return create_engine_config(args, monkeypatch)
