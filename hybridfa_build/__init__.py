@@ -3,4 +3,4 @@
 # Bump when the series changes the patched lmcache/ tree; it becomes the wheel's local
 # version 0.5.3+hybridfa.N. A split or reorder that leaves the tree byte-identical keeps it.
 # The 0.5.6 base keeps its own revision in bases/0.5.6/REVISION.
-REVISION = 21
+REVISION = 22

@@ -105,10 +105,12 @@ def _record_mismatches(dist: metadata.Distribution) -> list[str]:
     return problems
 
 
-# Loads the compiled module from its file, as LMCache does, in a fresh interpreter: argv is
-# the module's name, the function it must bind, the folder holding lmcache/.
+# Imports the compiled module as LMCache does, with its package and once (0.5.6's package
+# imports it on a CUDA machine; a second load of the same file fails), in a fresh interpreter
+# whose first path entry is the install: argv is the module's name, the function it must
+# bind, the folder holding lmcache/.
 KERNEL_PROBE = """\
-import glob, importlib.util, json, os, sys
+import importlib, json, os, sys
 out = {"torch": None, "cuda": None, "error": None}
 try:
     import torch
@@ -116,14 +118,12 @@ except Exception as exc:
     out["error"] = f"torch does not import: {type(exc).__name__}: {exc}"
 else:
     out["torch"], out["cuda"] = torch.__version__, torch.version.cuda
-    package, _, name = sys.argv[1].rpartition(".")
-    found = glob.glob(os.path.join(sys.argv[3], *package.split("."), name + ".*.so"))
+    sys.path.insert(0, sys.argv[3])
     try:
-        if len(found) != 1:
-            raise ImportError(f"{len(found)} files of {sys.argv[1]} in the install")
-        spec = importlib.util.spec_from_file_location(sys.argv[1], found[0])
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = importlib.import_module(sys.argv[1])
+        where = os.path.realpath(getattr(module, "__file__", None) or "?")
+        if not where.startswith(os.path.join(os.path.realpath(sys.argv[3]), "")):
+            raise ImportError(f"{sys.argv[1]} came from {where}, not from the install")
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     else:

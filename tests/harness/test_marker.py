@@ -171,6 +171,44 @@ def test_kernel_verdicts() -> None:
     assert not marker.kernels_refused(marker._kernel_lines(cpu_fails))
 
 
+def test_the_kernels_probe_loads_an_extension_its_package_already_imported(
+    tmp_path: Path,
+) -> None:
+    """lmcache 0.5.6's package imports its compiled module on a CUDA machine, and a second
+    load of the same extension fails (pybind11: a type "is already registered"): the probe
+    imports the module as LMCache does, once. Here a Python module stands in for it."""
+    pytest.importorskip("torch")
+    package = tmp_path / "lmcache"
+    package.mkdir()
+    (package / "__init__.py").write_text("from lmcache import cuda_ops  # noqa: F401\n")
+    (package / "cuda_ops.py").write_text(
+        "import builtins\n"
+        "if getattr(builtins, 'staging_copy_registered', False):\n"
+        "    raise ImportError('generic_type: type \"StagingCopy\" is already registered!')\n"
+        "builtins.staging_copy_registered = True\n"
+        "def execute_object_group_transfer(): ...\n"
+    )
+    assert marker.check_kernels(tmp_path, "0.5.6").error is None
+    (package / "__init__.py").write_text("")
+    (package / "cuda_ops.py").write_text("")
+    unbound = marker.check_kernels(tmp_path, "0.5.6").error
+    assert unbound == "it binds no execute_object_group_transfer"
+
+
+def test_the_kernels_probe_names_a_module_found_outside_the_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torch")
+    (tmp_path / "empty").mkdir()
+    other = tmp_path / "other" / "lmcache"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    (other / "cuda_ops.py").write_text("def execute_object_group_transfer(): ...\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "other"))
+    error = marker.check_kernels(tmp_path / "empty", "0.5.6").error
+    assert error is not None and "not from the install" in error
+
+
 def test_an_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert marker.main(["verify"]) == 2
     assert "block-size MODEL" in capsys.readouterr().out
