@@ -71,6 +71,17 @@ LOGPROB_TOL = 1e-3
 Result = dict[str, Any] | None  # an engine_proc result, None for an engine that did not run
 
 
+def engine_error(role: str, result: dict[str, Any] | None) -> str:
+    """Why an engine has no result, in one line: the exception a traceback ends in, not its
+    frames (the engine's record keeps the traceback)."""
+    error = str((result or {}).get("error", "no result"))
+    head, found, frames = error.partition("Traceback (most recent call last):")
+    if found:
+        lines = [ln.strip() for ln in frames.splitlines() if ln.strip()]
+        error = head + next((ln for ln in reversed(lines) if not ln.startswith("^")), "")
+    return f"{role}: {error}"[:2000]
+
+
 def compare_logprobs(
     a: Sequence[dict[str, float]], b: Sequence[dict[str, float]], tol: float = LOGPROB_TOL
 ) -> tuple[bool, float]:
@@ -253,7 +264,7 @@ def judge_restart(
     server wrote beside them."""
     out: dict[str, Any] = {"errors": [], "forged_kept": forged_kept}
     if not restart or not restart.get("ok"):
-        out["errors"].append(f"restart: {(restart or {}).get('error', 'no result')}"[:2000])
+        out["errors"].append(engine_error("restart", restart))
         return {**out, "a": False, "b": False, "c": False, "e": False}
     out["errors"] += layout_errors(case, {"restart": restart})
     out["errors"] += graph_errors(case, {"restart": restart})
@@ -344,7 +355,7 @@ def evaluate_case(
     out["judged"] = JUDGED[mode]
     for role, r in (("cold", cold), ("store", store), ("restore", restore)):
         if not r or not r.get("ok"):
-            out["errors"].append(f"{role}: {(r or {}).get('error', 'no result')}"[:2000])
+            out["errors"].append(engine_error(role, r))
     if out["errors"]:
         return {**out, "completed": False, "pass": False}
     assert cold is not None and store is not None and restore is not None

@@ -127,6 +127,14 @@ def test_evaluate_case_criteria_c_d_and_errors() -> None:
     assert not ev["pass"] and "geometry" in ev["errors"][0]
 
 
+def test_an_engine_that_died_is_named_with_its_exception_not_its_frames() -> None:
+    frames = "".join(f'  File "/x/f{i}.py", line {i}, in f\n    f()\n    ^^^\n' for i in range(60))
+    died = {"ok": False, "error": f"Traceback (most recent call last):\n{frames}ValueError: no\n"}
+    case = Case("olmo-r5", "NHD", 1, False)
+    ev = evaluate_case(case, engine([5], [], 1.0), died, None)
+    assert ev["errors"][:2] == ["store: ValueError: no", "restore: no result"]
+
+
 def test_evaluate_case_without_a_hit_proves_nothing() -> None:
     """Seen on an H200: every store failed, the restore recomputed everything and the
     KV bytes matched trivially. That must not read as "bytes match" on either arm."""
