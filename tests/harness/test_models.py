@@ -125,13 +125,28 @@ def test_write_model_dir(tmp_path: Path) -> None:
 
 
 def test_the_qwen35_tokenizer_holds_the_vision_tokens_at_the_configs_ids(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
     d = models.write_model_dir(MODELS["qwen35-r5"], tmp_path)
     cfg = json.loads((d / "config.json").read_text())
-    vocab = json.loads((d / "tokenizer.json").read_text())["model"]["vocab"]
-    assert len(vocab) == cfg["text_config"]["vocab_size"] == len(set(vocab.values()))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(d)
+    text = cfg["text_config"]
+    assert len(tokenizer) == text["vocab_size"]
+    assert tokenizer.pad_token_id == text["pad_token_id"]
+    assert tokenizer.eos_token_id == text["eos_token_id"]
     keys = ("image", "video", "vision_start", "vision_end")
     for token, key in zip(models.VISION_TOKENS, keys, strict=True):
-        assert vocab[token] == cfg[f"{key}_token_id"]
+        assert tokenizer.convert_tokens_to_ids(token) == cfg[f"{key}_token_id"]
+
+
+def test_engines_load_the_tokenizer_of_a_folder_that_has_one(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from hybridfa_gate.engine_proc import llm_kwargs
+
+    spec = {"gpu_memory_utilization": 0.1, "max_model_len": 512, "max_num_batched_tokens": 159}
+    spec["tensor_parallel_size"] = 1
+    for name, skips in (("qwen35-r5", False), ("olmo-r5", True)):
+        spec["model_dir"] = str(models.write_model_dir(MODELS[name], tmp_path))
+        assert llm_kwargs(spec)["skip_tokenizer_init"] is skips
 
 
 def test_a_qwen35_store_engine_builds_its_input_processor(
@@ -140,8 +155,8 @@ def test_a_qwen35_store_engine_builds_its_input_processor(
     """On vLLM 0.31 an engine with a KV connector builds a multimodal model's processor even
     in language-model-only mode (it accepts pre-computed embeddings), and the processor loads
     the tokenizer and the image processor's settings: the gate's store engine, as the gate
-    writes its spec and model folder, on vLLM's CPU platform. (Without torchvision vLLM
-    cannot inspect Qwen3.5 and builds no processor; the tokenizer is loaded all the same.)"""
+    writes its spec and model folder, on vLLM's CPU platform. A skip where vLLM cannot
+    inspect Qwen3.5 there (its module imports torchvision)."""
     pytest.importorskip("lmcache")
     processor = pytest.importorskip("vllm.v1.engine.input_processor")
     from vllm_cpu_engine import create_engine_config
