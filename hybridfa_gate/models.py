@@ -156,6 +156,17 @@ def gdn_object_bytes(
     return gdn * n * attn_bytes_per_token(m, tp, kv_cache_dtype)
 
 
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+"""The Qwen3.5 processor's tokens, the last ids of the vocabulary (``vision_token_ids``)."""
+
+
+def vision_token_ids(m: ModelSpec) -> dict[str, int]:
+    """config.json's ids of ``VISION_TOKENS``, in their order: the vocabulary's last."""
+    keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    first = m.vocab_size - len(VISION_TOKENS)
+    return {key: first + i for i, key in enumerate(keys)}
+
+
 def model_config_dict(m: ModelSpec, mtp: bool = False) -> dict[str, Any]:
     """config.json of the tiny model; ``mtp``: with one multi-token-prediction layer
     (Qwen3.5 only)."""
@@ -198,17 +209,10 @@ def model_config_dict(m: ModelSpec, mtp: bool = False) -> dict[str, Any]:
         **mtp_layers,
         "text_config": {**text, **mtp_layers},
         "vision_config": vision,
-        "image_token_id": m.vocab_size - 4,
-        "video_token_id": m.vocab_size - 3,
-        "vision_start_token_id": m.vocab_size - 2,
-        "vision_end_token_id": m.vocab_size - 1,
+        **vision_token_ids(m),
         "tie_word_embeddings": False,
         "torch_dtype": m.kv_dtype,
     }
-
-
-VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
-"""The Qwen3.5 processor's tokens, at the ids of ``model_config_dict``'s *_token_id."""
 
 
 def processor_files(m: ModelSpec) -> dict[str, dict[str, Any]]:
@@ -217,10 +221,10 @@ def processor_files(m: ModelSpec) -> dict[str, dict[str, Any]]:
     and the vision tokens last; pad is id 0 and EOS id 1, as in config.json; the engines pass
     token ids and never detokenize), and preprocessor_config.json, the image processor of
     the vision config's patches."""
-    first_vision = m.vocab_size - len(VISION_TOKENS)
-    vocab = {f"t{i}": i for i in range(first_vision)}
+    ids = list(vision_token_ids(m).values())
+    vocab = {f"t{i}": i for i in range(ids[0])}
     added = []
-    for i, token in enumerate(VISION_TOKENS, first_vision):
+    for i, token in zip(ids, VISION_TOKENS, strict=True):
         vocab[token] = i
         added.append({"id": i, "content": token, "single_word": False, "lstrip": False})
         added[-1].update(rstrip=False, normalized=False, special=True)
