@@ -47,6 +47,7 @@ from hybridfa_gate.models import (
 from hybridfa_gate.procs import (
     ServerError,
     child_env,
+    compile_cache_env,
     free_port,
     install_cleanup_handler,
     kill_group,
@@ -338,7 +339,7 @@ class Piece:
     def env(self, lmc: Path | None, layout: str) -> dict[str, str]:
         env = child_env(lmc, layout)
         env["PYTHONHASHSEED"] = "0"  # vLLM's block hashes name the OffloadingConnector's files
-        env.update(machine.compile_cache_env(self.a.compile_cache))
+        env.update(compile_cache_env(self.a.compile_cache))
         return env
 
     def model_dir(self) -> Path:

@@ -1,7 +1,7 @@
 """What a bench piece ran on and with: the machine (GPU, driver, CPUs, host and boot ids), the
 software (versions, this wheel's revision), the code that measured, and the identity pieces
-must share to be merged: one revision, one software set, one GPU model. Also the compile-cache
-folder every engine of the bench uses."""
+must share to be merged: one revision, one software set, one GPU model; what the
+compile-cache folder holds."""
 
 from __future__ import annotations
 
@@ -114,20 +114,6 @@ def identity(run: dict[str, Any]) -> dict[str, Any]:
 
 def identity_key(ident: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def compile_cache_env(folder: Path) -> dict[str, str]:
-    """One folder for every compiled artifact an engine keeps, so that it can be carried to
-    another machine of the same GPU model and software: vLLM's cache (its torch.compile cache
-    keeps inductor's and Triton's files under it), inductor and Triton outside vLLM's compiled
-    graph (the GDN kernels, their autotuning), FlashInfer's JIT."""
-    folder = Path(folder).resolve()
-    return {
-        "VLLM_CACHE_ROOT": str(folder / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
-        "TRITON_CACHE_DIR": str(folder / "triton"),
-        "FLASHINFER_WORKSPACE_BASE": str(folder / "flashinfer"),
-    }
 
 
 def folder_summary(folder: Path) -> dict[str, int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hybridfa_gate.cases import SET_NAMES, select_cases
 from hybridfa_gate.judge import gate_problems
-from hybridfa_gate.options import add_run_args
+from hybridfa_gate.options import add_run_args, use_compile_cache
 from hybridfa_gate.procs import install_cleanup_handler
 from hybridfa_gate.report import table_row
 from hybridfa_gate.run import ARMS, run_matrix
@@ -38,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--list", action="store_true", help="print the selected cases and exit")
     a = ap.parse_args(argv)
+    use_compile_cache(a)
     try:
         cases = select_cases(a.cases, a.tp)
     except ValueError as e:

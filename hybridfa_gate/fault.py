@@ -43,7 +43,7 @@ from hybridfa_gate.cases import Case
 from hybridfa_gate.judge import compare_kv_hashes, compare_logprobs
 from hybridfa_gate.l2 import folder_inventory
 from hybridfa_gate.models import write_model_dir
-from hybridfa_gate.options import add_case_args, case_args
+from hybridfa_gate.options import add_case_args, case_args, use_compile_cache
 from hybridfa_gate.procs import (
     ENGINE_TIMEOUT_S,
     ServerError,
@@ -431,6 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--beats", type=float, default=3.0)
     ap.add_argument("--plan", action="store_true", help="print the case and exit")
     a = ap.parse_args(argv)
+    use_compile_cache(a)
     if a.lmcache_dir is None and not a.plan:
         ap.error("--lmcache-dir is required (except with --plan)")
     fc = FaultConfig(

@@ -32,7 +32,7 @@ from typing import Any
 from hybridfa_gate.cases import Case
 from hybridfa_gate.l2 import folder_inventory
 from hybridfa_gate.models import write_model_dir
-from hybridfa_gate.options import add_case_args, case_args
+from hybridfa_gate.options import add_case_args, case_args, use_compile_cache
 from hybridfa_gate.procs import (
     ENGINE_TIMEOUT_S,
     ServerError,
@@ -406,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--phase-s", type=float, default=60.0, help="seconds of load per phase")
     ap.add_argument("--concurrency", type=int, default=64)
     a = ap.parse_args(argv)
+    use_compile_cache(a)
     if a.lmcache_dir is None:
         ap.error("--lmcache-dir is required")
     args = {"phases": a.phases, "phase_s": a.phase_s, "concurrency": a.concurrency}

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hybridfa_gate.models import MODELS
-from hybridfa_gate.procs import ENGINE_TIMEOUT_S
+from hybridfa_gate.procs import ENGINE_TIMEOUT_S, compile_cache_env
 
 ARM_HELP = (
     "patched (this series' wheel), pristine (the base's lmcache release: 0.5.3, or 0.5.6 for "
@@ -46,6 +47,19 @@ def add_run_args(
     )
     ap.add_argument("--work", type=Path, default=work)
     ap.add_argument("--keep-l2", action="store_true")
+    ap.add_argument(
+        "--compile-cache",
+        type=Path,
+        help="one folder for every engine's compiled kernels (vLLM's, inductor's, Triton's, "
+        "FlashInfer's JIT), to carry to another machine of the same GPU model and software; "
+        "default: each library's own",
+    )
+
+
+def use_compile_cache(a: argparse.Namespace) -> None:
+    """Point every engine started from here at ``--compile-cache`` (children inherit it)."""
+    if a.compile_cache is not None:
+        os.environ.update(compile_cache_env(a.compile_cache))
 
 
 def add_case_args(

@@ -70,6 +70,20 @@ def _found_in_site(lmcache_dir: Path, pythonpath: Sequence[str]) -> bool:
     return not any((Path(p) / "lmcache").is_dir() for p in pythonpath)
 
 
+def compile_cache_env(folder: Path) -> dict[str, str]:
+    """One folder for every compiled artifact an engine keeps, so that it can be carried to
+    another machine of the same GPU model and software: vLLM's cache (its torch.compile cache
+    keeps inductor's and Triton's files under it), inductor and Triton outside vLLM's compiled
+    graph (the GDN kernels, their autotuning), FlashInfer's JIT."""
+    folder = Path(folder).resolve()
+    return {
+        "VLLM_CACHE_ROOT": str(folder / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
+        "TRITON_CACHE_DIR": str(folder / "triton"),
+        "FLASHINFER_WORKSPACE_BASE": str(folder / "flashinfer"),
+    }
+
+
 def child_env(lmcache_dir: Path | None, layout: str | None) -> dict[str, str]:
     env = dict(os.environ)
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -3,6 +3,7 @@ cleanup."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from hybridfa_gate import l2 as l2_tiers
 from hybridfa_gate import procs
+from hybridfa_gate.options import add_run_args, use_compile_cache
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,6 +76,47 @@ def test_a_child_imports_the_build_under_test_not_the_checkouts_tree(tmp_path: P
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(build / "lmcache" / "__init__.py")
+
+
+def test_every_compile_cache_lives_under_the_one_folder(tmp_path: Path) -> None:
+    env = procs.compile_cache_env(tmp_path / "cache")
+    assert set(env) == {
+        "VLLM_CACHE_ROOT",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TRITON_CACHE_DIR",
+        "FLASHINFER_WORKSPACE_BASE",
+    }
+    assert all(Path(v).parent == (tmp_path / "cache").resolve() for v in env.values())
+
+
+def _unset_compile_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in procs.compile_cache_env(Path("/")):
+        monkeypatch.setenv(key, "")  # restored (unset) after the test, as use_compile_cache sets it
+        monkeypatch.delenv(key)
+
+
+def _run_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    add_run_args(ap, work=Path("/tmp/w"), kv_cache_gib=None, arms=("patched",))
+    return ap.parse_args(argv)
+
+
+def test_compile_cache_option_reaches_every_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _unset_compile_caches(monkeypatch)
+    use_compile_cache(_run_args(["--compile-cache", str(tmp_path / "cc")]))
+    env = procs.child_env(None, "HND")
+    assert env["TRITON_CACHE_DIR"] == str((tmp_path / "cc" / "triton").resolve())
+    assert env["FLASHINFER_WORKSPACE_BASE"] == str((tmp_path / "cc" / "flashinfer").resolve())
+
+
+def test_without_the_option_each_library_keeps_its_own_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _unset_compile_caches(monkeypatch)
+    use_compile_cache(_run_args([]))
+    assert not set(procs.compile_cache_env(tmp_path)) & set(procs.child_env(None, None))
 
 
 def test_extra_server_args_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
