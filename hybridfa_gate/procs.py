@@ -262,6 +262,9 @@ def run_engine(
         res.setdefault("error", f"rc={proc.returncode}; log tail:\n{tail(log)}")
     res.update(attempts=attempt, process_s=round(time.monotonic() - t0, 2), rc=proc.returncode)
     res["log_facts"] = engine_log_facts(log.read_text(errors="replace") if log.exists() else "")
+    # A case or a run takes minutes, its report comes at its end: say where it is.
+    state = "ok" if res.get("ok") else "failed"
+    print(f"{workdir.name}: {role} engine {state} after {res['process_s']} s", flush=True)
     return res
 
 

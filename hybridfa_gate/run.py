@@ -101,14 +101,6 @@ def case_record(
     return rec
 
 
-def said(case_id: str, role: str, res: dict[str, Any]) -> dict[str, Any]:
-    """Print a line as each engine of a case ends: a case runs for minutes, its report line
-    comes only at its end."""
-    state = "ok" if res.get("ok") else "failed"
-    print(f"{case_id}: {role} engine {state} after {res.get('process_s')} s", flush=True)
-    return res
-
-
 def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     t0 = time.monotonic()
     wd = rc.work / rc.arm / case.case_id
@@ -127,9 +119,7 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
     rec = case_record(case, rc.arm, rc.base, rc.kernels)
     cold_spec = engine_spec(case, "cold", model_dir, rc, None, None, adapters=adapters)
     run_cold = functools.partial(run_engine, rc.python, env, cold_spec, wd, "cold")
-    cold = cold_runs.get_or_run(
-        cold_key(case), lambda: said(case.case_id, "cold", run_cold(rc.engine_timeout))
-    )
+    cold = cold_runs.get_or_run(cold_key(case), lambda: run_cold(rc.engine_timeout))
     store = restore = restart = None
     servers: list[subprocess.Popen[Any]] = []
     redis: l2_tiers.RedisServer | None = None
@@ -148,7 +138,6 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
         servers.append(srv)
         sspec = store_spec(case, model_dir, rc, port, tier, log, adapters)
         store = run_engine(rc.python, env, sspec, wd, "store", rc.engine_timeout)
-        said(case.case_id, "store", store)
         rec["l2_after_store"] = wait_l2_stable(tier, sspec["l2_min_objects"], server_log=log)
         kill_group(srv)
         rec["server1"] = server_log_facts(log.read_text(errors="replace"))
@@ -174,7 +163,6 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
             answer = store.get("tokens") or ()
             rspec = restore_spec(case, model_dir, rc, port, answer, adapters, tier)
             restore = run_engine(rc.python, env, rspec, wd, "restore", rc.engine_timeout)
-            said(case.case_id, "restore", restore)
             kill_group(srv)
             rec["server2"] = server_log_facts((wd / "server2.log").read_text(errors="replace"))
             if rec.get("forged_object") and restore.get("ok"):
@@ -187,7 +175,6 @@ def run_case(case: Case, rc: RunConfig, cold_runs: ColdRuns) -> dict[str, Any]:
                 servers.append(srv)
                 xspec = restart_spec(case, model_dir, rc, port, adapters)
                 restart = run_engine(rc.python, env, xspec, wd, "restart", rc.engine_timeout)
-                said(case.case_id, "restart", restart)
                 kill_group(srv)
                 rec["server3"] = server_log_facts(log.read_text(errors="replace"))
     except (ServerError, FileNotFoundError, RuntimeError) as e:

@@ -217,6 +217,21 @@ def test_run_engine_starts_again_once_after_a_lost_port_race(
     assert (tmp_path / "store.port-race.log").exists() is (fail_times > 0)
 
 
+def test_each_engine_says_when_it_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_engine(monkeypatch, tmp_path / "fake_engine.py", FAKE_ENGINE)
+    wd = tmp_path / "olmo-r5-NHD-c1N-offset"
+    wd.mkdir()
+    for role in ("cold", "store"):
+        procs.run_engine(sys.executable, {}, {"fail_times": 0}, wd, role, 30)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" engine ")[0] for line in lines] == [
+        f"olmo-r5-NHD-c1N-offset: {role}" for role in ("cold", "store")
+    ]
+    assert all(" engine ok after " in line for line in lines)
+
+
 def test_run_engine_does_not_retry_other_failures(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -84,17 +84,6 @@ def test_a_plain_case_stores_then_restores_and_passes(rc: RunConfig, monkeypatch
     assert "l2_snapshot" not in rec["engines"]["store"]
 
 
-def test_each_engine_says_when_it_ended(rc: RunConfig, monkeypatch, capsys) -> None:
-    case = Case("olmo-r5", "NHD", 1, False)
-    Fakes(monkeypatch, case, case.promisable_hit)
-    run.run_case(case, rc, run.ColdRuns())
-    lines = capsys.readouterr().out.splitlines()
-    assert [line.split(" engine ")[0] for line in lines] == [
-        f"{case.case_id}: {role}" for role in ("cold", "store", "restore")
-    ]
-    assert all(" engine ok after " in line for line in lines)
-
-
 def test_a_seed_case_starts_both_servers_with_separate_object_groups(
     rc: RunConfig, monkeypatch
 ) -> None:
