@@ -252,7 +252,8 @@ def _sp(s: dict[str, Any] | None) -> str:
 
 def _run_line(run: dict[str, Any]) -> str:
     c, host = run.get("ceiling") or {}, run.get("host") or {}
-    gpus = run.get("gpus") if isinstance(run.get("gpus"), list) else [{}]
+    gpus = run.get("gpus") if isinstance(run.get("gpus"), list) else None
+    gpus = gpus or [{}]  # nvidia-smi failed, or printed no GPU
     modes = {
         role: f"{e.get('read_back')}"
         + (f", {e['cut_by_deadline']} cut" if e.get("cut_by_deadline") else "")

@@ -497,3 +497,10 @@ def test_the_report_names_each_engines_mode_and_what_its_deadline_cut() -> None:
     p["run"]["engines"] = {"restore": {"read_back": "graphs", "cut_by_deadline": 2}}
     md = report.markdown_report(report.merge_pieces([p]))
     assert "engines {'restore': 'graphs, 2 cut'}" in md
+
+
+@pytest.mark.parametrize("gpus", [[], "nvidia-smi failed: timed out"])
+def test_a_piece_whose_gpu_query_found_nothing_is_still_reported(gpus: Any) -> None:
+    p = piece("p", "t", {KEY: row("default", [judged()], [5.0])})
+    p["run"]["gpus"] = gpus
+    assert "driver None" in report.markdown_report(report.merge_pieces([p]))
