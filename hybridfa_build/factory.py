@@ -257,22 +257,16 @@ def fetch_sdist(pins: Pins, local: Path | None = None) -> Path:
     if cached.is_file():
         return verify(cached, pins.sdist["sha256"], "cached pristine sdist")
     cached.parent.mkdir(parents=True, exist_ok=True)
+    # From its pinned URL: pip would build the sdist's metadata first, in an environment with
+    # its build requirements (torch, and for 0.5.6 CUDA).
+    url = pins.sdist["url"]
     with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
         got = Path(tmp) / pins.sdist["filename"]
-        if "url" in pins.sdist:
-            # pip prepares an sdist's metadata to download it; 0.5.6's needs CUDA and torch.
-            try:
-                with urllib.request.urlopen(pins.sdist["url"], timeout=300) as src:
-                    got.write_bytes(src.read())
-            except OSError as e:
-                raise BuildError(f"fetching {pins.sdist['url']} failed: {e}") from e
-        else:
-            _pip_download(
-                ["--no-binary", pins.package, f"{pins.package}=={pins.version}"],
-                Path(tmp),
-            )
-        if not got.is_file():
-            raise BuildError(f"pip did not produce {pins.sdist['filename']}")
+        try:
+            with urllib.request.urlopen(url, timeout=300) as src:
+                got.write_bytes(src.read())
+        except OSError as e:
+            raise BuildError(f"fetching {url} failed: {e}") from e
         verify(got, pins.sdist["sha256"], "downloaded pristine sdist")
         os.replace(got, cached)
     return cached

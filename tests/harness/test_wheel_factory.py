@@ -195,3 +195,43 @@ def test_marker_holds_the_digest_of_the_patched_tree(built: Path) -> None:
         digest.update(name.encode() + b"\0" + files[name] + b"\0")
     marker = files[marker_name].decode()
     assert f'TREE_SHA256 = "{digest.hexdigest()}"' in marker
+
+
+def _sdist_pins(tmp_path: Path, payload: bytes, sha256: str) -> tuple[wheel_factory.Pins, Path]:
+    src = tmp_path / "served" / "lmcache-1.0.tar.gz"
+    src.parent.mkdir()
+    src.write_bytes(payload)
+    sdist = {"filename": src.name, "sha256": sha256, "url": src.as_uri()}
+    return wheel_factory.Pins("lmcache", "1.0", {}, sdist), src
+
+
+def test_the_sdist_is_fetched_from_its_pinned_url_and_checked(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LMCACHE_HYBRIDFA_CACHE", str(tmp_path / "cache"))
+    payload = b"an sdist"
+    pins, _ = _sdist_pins(tmp_path, payload, hashlib.sha256(payload).hexdigest())
+    got = wheel_factory.fetch_sdist(pins)
+    assert got == tmp_path / "cache" / "lmcache-1.0.tar.gz"
+    assert got.read_bytes() == payload
+
+
+def test_an_sdist_of_another_digest_is_refused_and_not_cached(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LMCACHE_HYBRIDFA_CACHE", str(tmp_path / "cache"))
+    pins, _ = _sdist_pins(tmp_path, b"another sdist", "0" * 64)
+    with pytest.raises(wheel_factory.BuildError):
+        wheel_factory.fetch_sdist(pins)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_an_unreachable_sdist_url_is_named(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LMCACHE_HYBRIDFA_CACHE", str(tmp_path / "cache"))
+    pins, src = _sdist_pins(tmp_path, b"x", "0" * 64)
+    src.unlink()
+    with pytest.raises(wheel_factory.BuildError, match=f"fetching {src.as_uri()} failed"):
+        wheel_factory.fetch_sdist(pins)
+
+
+@pytest.mark.parametrize("base", ["", "bases/0.5.6"], ids=["0.5.3", "0.5.6"])
+def test_each_bases_pinned_sdist_url_names_the_pinned_file(base: str) -> None:
+    sdist = json.loads((ROOT / base / "pins.json").read_text())["sdist"]
+    assert sdist["url"].startswith("https://files.pythonhosted.org/")
+    assert sdist["url"].endswith("/" + sdist["filename"])

@@ -3,7 +3,6 @@ the pinned 0.5.6 wheels and bases/0.5.6/'s series; the 0.5.3 base stays the defa
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -143,41 +142,3 @@ def test_patch_queue_of_0_5_6_round_trips_and_is_not_exported_into_another_base(
     assert refused.returncode == 2
     assert "--base 0.5.6" in refused.stderr
     assert (ROOT / "patches" / "series").read_text().split()  # 0.5.3's series untouched
-
-
-def _sdist_pins(tmp_path: Path, payload: bytes, sha256: str) -> tuple[wheel_factory.Pins, Path]:
-    src = tmp_path / "served" / "lmcache-0.5.6.tar.gz"
-    src.parent.mkdir()
-    src.write_bytes(payload)
-    sdist = {"filename": src.name, "sha256": sha256, "url": src.as_uri()}
-    return wheel_factory.Pins("lmcache", "0.5.6", {}, sdist), src
-
-
-def test_the_sdist_is_fetched_from_its_pinned_url_and_checked(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("LMCACHE_HYBRIDFA_CACHE", str(tmp_path / "cache"))
-    payload = b"an sdist"
-    pins, _ = _sdist_pins(tmp_path, payload, hashlib.sha256(payload).hexdigest())
-    got = wheel_factory.fetch_sdist(pins)
-    assert got == tmp_path / "cache" / "lmcache-0.5.6.tar.gz"
-    assert got.read_bytes() == payload
-
-
-def test_an_sdist_of_another_digest_is_refused_and_not_cached(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("LMCACHE_HYBRIDFA_CACHE", str(tmp_path / "cache"))
-    pins, _ = _sdist_pins(tmp_path, b"another sdist", "0" * 64)
-    with pytest.raises(wheel_factory.BuildError):
-        wheel_factory.fetch_sdist(pins)
-    assert list((tmp_path / "cache").iterdir()) == []
-
-
-def test_an_unreachable_sdist_url_is_named(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("LMCACHE_HYBRIDFA_CACHE", str(tmp_path / "cache"))
-    pins, src = _sdist_pins(tmp_path, b"x", "0" * 64)
-    src.unlink()
-    with pytest.raises(wheel_factory.BuildError, match=f"fetching {src.as_uri()} failed"):
-        wheel_factory.fetch_sdist(pins)
-
-
-def test_the_pinned_sdist_url_names_the_pinned_file() -> None:
-    assert PINS["sdist"]["url"].startswith("https://files.pythonhosted.org/")
-    assert PINS["sdist"]["url"].endswith("/" + PINS["sdist"]["filename"])
