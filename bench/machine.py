@@ -99,11 +99,16 @@ def software(versions: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def first_gpu(run: dict[str, Any]) -> dict[str, str]:
+    """The run's first GPU; empty where ``nvidia-smi`` failed or listed none."""
+    found = run.get("gpus")
+    return found[0] if isinstance(found, list) and found else {}
+
+
 def identity(run: dict[str, Any]) -> dict[str, Any]:
     """What pieces must share to be merged: the GPU model, this wheel's revision (and tree),
     the software set."""
-    gpu = run.get("gpus")
-    model = gpu[0].get("name") if isinstance(gpu, list) and gpu else None
+    model = first_gpu(run).get("name")
     rev = run.get("revision") or {}
     return {
         "gpu_model": model,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.floor import GB, floor_s, spread
-from bench.machine import identity_key
+from bench.machine import first_gpu, identity_key
 from hybridfa_gate.report import fmt, md_table, write_json_md
 
 SCHEMA = "hybridfa-bench-gpu/4"
@@ -252,8 +252,6 @@ def _sp(s: dict[str, Any] | None) -> str:
 
 def _run_line(run: dict[str, Any]) -> str:
     c, host = run.get("ceiling") or {}, run.get("host") or {}
-    gpus = run.get("gpus") if isinstance(run.get("gpus"), list) else None
-    gpus = gpus or [{}]  # nvidia-smi failed, or printed no GPU
     modes = {
         role: f"{e.get('read_back')}"
         + (f", {e['cut_by_deadline']} cut" if e.get("cut_by_deadline") else "")
@@ -263,7 +261,7 @@ def _run_line(run: dict[str, Any]) -> str:
     return (
         f"- {run.get('piece')} ({', '.join(map(str, started))}): host {host.get('host_id')} "
         f"boot {host.get('boot_id')}, {host.get('cpus_usable')} of {host.get('cores')} CPUs, "
-        f"driver {gpus[0].get('driver')}, code {run.get('code')}; disk ceiling "
+        f"driver {first_gpu(run).get('driver')}, code {run.get('code')}; disk ceiling "
         f"{fmt(c.get('disk_gbps'))} GB/s, page cache {fmt(c.get('page_cache_gbps'))} GB/s; "
         f"engines {modes}; disk plan {run.get('disk_plan')}"
     )
